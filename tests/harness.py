@@ -1,0 +1,124 @@
+"""Run N CPU ranks over gloo from a test, with a hard timeout.
+
+Distributed bugs show up as hangs, so nothing here waits forever: every launch
+has a deadline, and on expiry all ranks are killed and the test fails with the
+tail of what they printed.
+
+Two ways in:
+  spawn(fn, world_size, *args)  runs fn(rank, world_size, *args) in N fresh
+      processes that already share a gloo process group; returns each rank's
+      return value (a list indexed by rank). fn must be a module-level function.
+  torchrun(script, nproc, args)  runs a real script under torchrun, as a user
+      would; returns the CompletedProcess (stdout, stderr, returncode).
+Plus read_log / assert_logs_match for the per-iteration JSON logs.
+"""
+import json
+import multiprocessing as mp
+import os
+import socket
+import subprocess
+import sys
+import traceback
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child(fn, rank, world_size, port, queue, args):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
+    if ROOT not in sys.path:
+        sys.path.insert(0, ROOT)
+    import torch
+    import torch.distributed as dist
+    torch.set_num_threads(1)  # N ranks share 2 cores; more threads only thrash
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        queue.put((rank, True, fn(rank, world_size, *args)))
+    except BaseException:
+        queue.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def spawn(fn, world_size, *args, timeout=120):
+    """fn(rank, world_size, *args) on world_size ranks; returns [result of rank 0, ...]."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_child, args=(fn, r, world_size, port, queue, args), daemon=True)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results, errors = {}, []
+    try:
+        for _ in range(world_size):
+            try:
+                rank, ok, value = queue.get(timeout=timeout)
+            except Exception:
+                missing = sorted(set(range(world_size)) - set(results) - {e[0] for e in errors})
+                raise AssertionError(f"timeout after {timeout}s: ranks {missing} never finished "
+                                     f"(deadlock?); errors so far: {[e[1] for e in errors]}")
+            if ok:
+                results[rank] = value
+            else:
+                errors.append((rank, value))
+                break  # one rank failed: the others may now be stuck waiting on it
+    finally:
+        for p in procs:
+            p.join(timeout=2 if errors else 10)
+            if p.is_alive():
+                p.kill()
+    if errors:
+        raise AssertionError(f"rank {errors[0][0]} failed:\n{errors[0][1]}")
+    return [results[r] for r in range(world_size)]
+
+
+def torchrun(script, nproc, args=(), timeout=120, env=None):
+    """Run `torchrun --nproc_per_node=nproc script args` from the repo root, with a deadline."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+           "--master_addr", "127.0.0.1", "--master_port", str(free_port()), script, *args]
+    full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
+    p = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, start_new_session=True)
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, 9)
+        out, err = p.communicate()
+        raise AssertionError(f"timeout after {timeout}s (deadlock?): {' '.join(cmd)}\n{err[-3000:]}")
+    return subprocess.CompletedProcess(cmd, p.returncode, out, err)
+
+
+def python(script, args=(), timeout=120):
+    """Run `python script args` as one plain process (no torchrun), with a deadline."""
+    cmd = [sys.executable, script, *args]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+
+
+def read_log(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def assert_logs_match(log, ref, tol=1e-4, key="loss"):
+    """Same number of iterations, and `key` within tol at every one of them."""
+    assert [r["iter"] for r in log] == [r["iter"] for r in ref], "different iterations logged"
+    for r, q in zip(log, ref):
+        assert abs(r[key] - q[key]) <= tol, f"iter {r['iter']}: {key} {r[key]:.6f} vs reference {q[key]:.6f}"
+
+
+def assert_states_match(state, ref, tol=1e-5):
+    """Two state dicts (name -> tensor) have the same keys, shapes and values within tol."""
+    assert sorted(state) == sorted(ref), f"different keys: {sorted(set(state) ^ set(ref))}"
+    for k in ref:
+        assert state[k].shape == ref[k].shape, f"{k}: shape {tuple(state[k].shape)} vs {tuple(ref[k].shape)}"
+        err = (state[k].float() - ref[k].float()).abs().max().item()
+        assert err <= tol, f"{k}: max abs difference {err:.2e} > {tol}"
