@@ -28,6 +28,13 @@ import model as M
 DEFAULTS = dict(M.TRAIN_DEFAULTS, mode="overlap", bucket_mb=25.0, grad_accum=1)
 
 
+def traffic_per_rank(config, cfg, world):
+    """Bytes a rank sends per optimizer step: one ring all-reduce of every gradient,
+    2(N-1)/N of the gradient bytes (on average over ranks when chunks are uneven),
+    whatever --grad_accum is, since the micro-steps before the last don't communicate."""
+    return 2 * (world - 1) / world * 4 * M.param_count(config)
+
+
 class GradBuckets:
     """The gradients of all parameters, packed into flat buffers ("buckets").
 

@@ -199,6 +199,15 @@ def num_params(params):
     return sum(p.numel() for p in {id(p): p for p in params}.values())
 
 
+def param_count(config):
+    """The same count from the shapes alone, without building anything (the tied
+    matrix once): per block 12·C² weights plus 13·C biases and norms."""
+    C = config.n_embd
+    per_block = 12 * C * C + (13 * C if config.bias else 2 * C)  # without biases: the two norms' weights
+    ln_f = 2 * C if config.bias else C
+    return (config.vocab_size + config.block_size) * C + config.n_layer * per_block + ln_f
+
+
 def tensor_bytes(tensors):
     return sum(t.numel() * t.element_size() for t in tensors)
 

@@ -199,3 +199,10 @@ def test_baseline_run_logs_every_field(train_args, tmp_path):
     # state: params + grads + 2 Adam moments, all fp32 = 16 bytes a parameter
     n = M.num_params(M.GPT(M.make_config("tiny", V, block_size=32)).parameters())
     assert records[-1]["state_bytes"] == [16 * n]
+
+
+def test_param_count_from_shapes():
+    import dataclasses
+    for bias in (True, False):
+        c = dataclasses.replace(tiny(), bias=bias)
+        assert M.param_count(c) == M.num_params(M.GPT(c).parameters())
