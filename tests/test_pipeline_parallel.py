@@ -1,0 +1,237 @@
+"""pipeline_parallel.py: the schedules on paper, then real runs against the one-process reference.
+
+On paper (no model): every stage's action list is complete, its messages pair up
+and the simulated run ends without deadlock, the simulated bubble is the formula's
+(p-1)/(m+p-1), and 1F1B holds at most p micro-batches where GPipe holds m.
+Real runs: one spawn per world size runs both schedules x {1, 4, 8} micro-batches
+(1F1B with one micro-batch is GPipe's plan, so it runs once) and checks loss,
+parameters, traffic, memory and the peak micro-batches held.
+"""
+import contextlib
+import io
+import math
+import os
+
+import pytest
+import torch
+
+import model as M
+import pipeline_parallel as PP
+from harness import spawn, torchrun, python, read_log, assert_logs_match, assert_states_match
+from conftest import VOCAB
+
+# with one micro-batch both schedules are the same list of actions (checked on paper
+# below), so 1F1B's m=1 run would repeat GPipe's: the parity runs skip it
+CONFIGS = [("gpipe", 1), ("gpipe", 4), ("gpipe", 8), ("1f1b", 4), ("1f1b", 8)]
+BATCH, BLOCK = 24, 32  # of conftest.TRAIN_ARGS
+
+
+def max_held(actions):
+    """Most micro-batches whose forward has run and backward not yet, along a schedule."""
+    held = peak = 0
+    for kind, _ in actions:
+        held += 1 if kind == "F" else -1
+        peak = max(peak, held)
+    return peak
+
+
+def expected_held(schedule, p, m, stage):
+    return m if schedule == "gpipe" else min(p - stage, m)
+
+# ----------------------------------------------------------------------------- on paper
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_schedules_on_paper(schedule):
+    for p in range(1, 6):
+        for m in (1, 2, 3, 4, 5, 8, 16):
+            where = f"{schedule}, {p} stages, {m} micro-batches"
+            for s in range(p):
+                order = PP.schedule(schedule, p, m, s)
+                # complete: each forward and each backward once, in micro-batch order, F(k) before B(k)
+                assert [a for a in order if a[0] == "F"] == [("F", k) for k in range(m)], where
+                assert [a for a in order if a[0] == "B"] == [("B", k) for k in range(m)], where
+                assert all(order.index(("F", k)) < order.index(("B", k)) for k in range(m)), where
+                assert max_held(order) == expected_held(schedule, p, m, s), where
+                # the messages: each compute is fed by the exchange just before it, and
+                # its output leaves in the exchange just after it, in schedule order
+                actions = PP.plan(schedule, p, m, s)
+                assert [a for a in actions if a[0] != "X"] == order, where
+                for i, (kind, k, *_) in enumerate(actions):
+                    if kind == "F" and s > 0 or kind == "B" and s < p - 1:
+                        assert actions[i - 1][0] == "X" and actions[i - 1][2] == ("act" if kind == "F" else "grad", k)
+                    if kind == "F" and s < p - 1 or kind == "B" and s > 0:
+                        assert actions[i + 1][0] == "X" and actions[i + 1][1] == ("act" if kind == "F" else "grad", k)
+                sends = [a[1] for a in actions if a[0] == "X" and a[1]]
+                recvs = [a[2] for a in actions if a[0] == "X" and a[2]]
+                acts, grads = [("act", k) for k in range(m)], [("grad", k) for k in range(m)]
+                assert [x for x in sends if x[0] == "act"] == (acts if s < p - 1 else []), where
+                assert [x for x in sends if x[0] == "grad"] == (grads if s > 0 else []), where
+                assert [x for x in recvs if x[0] == "act"] == (acts if s > 0 else []), where
+                assert [x for x in recvs if x[0] == "grad"] == (grads if s < p - 1 else []), where
+            # all stages together: every message meets its partner in order, nobody
+            # deadlocks, and every stage idles exactly the bubble of the formula
+            timelines = PP.simulate(schedule, p, m)
+            if m == 1:
+                assert [PP.plan(schedule, p, 1, s) for s in range(p)] == [PP.plan("gpipe", p, 1, s) for s in range(p)]
+            assert [len(t) for t in timelines] == [2 * m] * p, where
+            for idle in PP.idle_fractions(timelines):
+                assert abs(idle - (p - 1) / (m + p - 1)) < 1e-12, where
+
+
+def test_simulator_catches_deadlock_and_mismatch(monkeypatch):
+    plan, schedule = PP.plan, PP.schedule
+
+    def send_then_receive(*args):
+        """The naive ordering: send, wait until it is received, then receive."""
+        return [x for a in plan(*args) for x in ([("X", a[1], None), ("X", None, a[2])] if a[0] == "X" else [a])]
+
+    # in 1F1B's steady state two neighbours both send first, and each waits for the other forever
+    monkeypatch.setattr(PP, "plan", send_then_receive)
+    with pytest.raises(RuntimeError, match="deadlock"):
+        PP.simulate("1f1b", 2, 4)
+    PP.simulate("gpipe", 2, 4)  # GPipe never has two neighbours sending to each other at once
+    monkeypatch.setattr(PP, "plan", plan)
+
+    def last_stage_backwards_reversed(name, p, m, s):
+        order = schedule(name, p, m, s)
+        return order[:m] + order[m:][::-1] if s == p - 1 else order
+
+    # the gradients then reach the stage before it in another order than it receives them
+    monkeypatch.setattr(PP, "schedule", last_stage_backwards_reversed)
+    with pytest.raises(RuntimeError, match="met"):
+        PP.simulate("gpipe", 2, 3)
+
+
+def test_stage_layers_split_evenly():
+    for n_layer in range(1, 14):
+        for p in range(1, n_layer + 1):
+            parts = [PP.stage_layers(n_layer, p, s) for s in range(p)]
+            assert [i for r in parts for i in r] == list(range(n_layer))
+            assert max(map(len, parts)) - min(map(len, parts)) <= 1 and min(map(len, parts)) >= 1
+
+
+def test_bad_input_in_process(train_args, capsys):
+    for flags, message in ((["--schedule=zb"], "error: --schedule takes gpipe or 1f1b, not 'zb'"),
+                           (["--n_micro=5"], "error: --batch_size=24 does not divide into --n_micro=5 micro-batches"),
+                           (["--n_micro=0"], "error: --n_micro must be at least 1")):
+        with pytest.raises(SystemExit) as e:
+            PP.main(train_args + flags)
+        assert e.value.code != 0 and message in capsys.readouterr().err
+
+# ----------------------------------------------------------------------------- real runs
+
+
+def _run_all(rank, world, train_args, out):
+    results = {}
+    for schedule, m in CONFIGS:
+        path = os.path.join(out, f"pp_{world}_{schedule}_{m}.pt")
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            records = PP.main(train_args + [f"--schedule={schedule}", f"--n_micro={m}", f"--save_path={path}",
+                                            f"--timeline={schedule == '1f1b' and m == 8}"])
+        results[(schedule, m)] = (records, path, printed.getvalue())
+    if world == 3:
+        # more stages than blocks: every rank must stop before any message
+        M.PRESETS["two_blocks"] = dict(n_layer=2, n_head=2, n_embd=32, block_size=32)
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            try:
+                PP.main(train_args + ["--model=two_blocks"])
+                code = 0
+            except SystemExit as e:
+                code = e.code
+        results["too_many_stages"] = (code, err.getvalue())
+        # an uneven split: the 4 blocks of "small" over 3 stages, [2, 1, 1]
+        path = os.path.join(out, "pp_uneven.pt")
+        results["uneven"] = (PP.main(train_args + ["--model=small", "--max_iters=4", "--n_micro=4",
+                                                   f"--save_path={path}"]), path)
+    return results
+
+
+def stage_params(config, p, s):
+    """Parameters stage s holds, counted from model.py's units (the tied copy included)."""
+    count = lambda unit: sum(t.numel() for t in M.build_unit(config, unit, 0).parameters())  # noqa: E731
+    n = sum(count(i) for i in PP.stage_layers(config.n_layer, p, s))
+    n += count("embed") if s == 0 else 0
+    n += count("ln_f") + (config.vocab_size * config.n_embd if p > 1 else 0) if s == p - 1 else 0
+    return n
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_parity_traffic_memory(world, train_args, reference, tmp_path):
+    ref_records, ref_state = reference
+    results = spawn(_run_all, world, train_args, str(tmp_path), timeout=400)[0]
+    config = M.make_config("tiny", VOCAB, block_size=BLOCK)
+    h, V = config.n_embd, config.vocab_size
+    act = 4 * BATCH * BLOCK * h  # the whole batch's activations at one boundary, float32: m·(b·s·h·4)
+    for schedule, m in CONFIGS:
+        records, path, printed = results[(schedule, m)]
+        where = f"{schedule}, {m} micro-batches, {world} stages"
+        assert_logs_match(records, ref_records, 1e-4)
+        assert_logs_match([r for r in records if "val_loss" in r], [r for r in ref_records if "val_loss" in r],
+                          1e-4, key="val_loss")
+        assert_states_match(torch.load(path), ref_state, 1e-5)
+        # traffic: each boundary carries m activations forward and m gradients back;
+        # first and last stage each send the V·h tied gradient (all-reduce at N=2: S
+        # per rank); plus the one-float norm all-reduce, 2(p-1)·4 bytes in all
+        boundary = [act * ((s < world - 1) + (s > 0)) + 4 * V * h * (s in (0, world - 1)) for s in range(world)]
+        assert sum(boundary) == 2 * m * (act // m) * (world - 1) + 2 * 4 * V * h
+        stated = PP.traffic_per_rank(config, M.parse_args(PP.DEFAULTS, train_args), world)  # the file's own formula
+        for r in records:
+            assert sum(r["comm_bytes"]) == sum(boundary) + 2 * (world - 1) * 4 == stated * world, where
+            for sent, want in zip(r["comm_bytes"], boundary):
+                assert 0 <= sent - want <= 4 * (1 + math.ceil(math.log2(world))), where
+            # memory: each stage holds only its own parameters (16 bytes each: param,
+            # grad, Adam's m and v), and the micro-batches its schedule allows
+            assert r["state_bytes"] == [16 * stage_params(config, world, s) for s in range(world)], where
+            assert r["peak_micro"] == [expected_held(schedule, world, m, s) for s in range(world)], where
+            assert len(r["idle_frac"]) == world and all(0 <= f < 1 for f in r["idle_frac"]), where
+            assert r["bubble_theory"] == (world - 1) / (m + world - 1)
+    # activation bytes: 1F1B holds min(p-s, m) micro-batches' worth where GPipe holds m
+    for m in (4, 8):
+        gpipe, onefoneb = results[("gpipe", m)][0][-1]["act_bytes"], results[("1f1b", m)][0][-1]["act_bytes"]
+        for s in range(world):
+            assert onefoneb[s] * m == gpipe[s] * min(world - s, m), f"stage {s}, {m} micro-batches"
+            assert onefoneb[s] < gpipe[s] or world - s >= m
+    # the printed timeline: the schedule, on paper, and measured, one line per stage
+    printed = results[("1f1b", 8)][2]
+    assert PP.draw(PP.simulate("1f1b", world, 8), 3 * (8 + world - 1)) in printed
+    assert printed.split("measured")[1].count("idle") == world
+    assert " ".join(PP.show(a) for a in PP.plan("1f1b", world, 8, world - 1)) in printed
+    assert "on paper" not in results[("gpipe", 8)][2]
+    if world == 3:
+        code, err = results["too_many_stages"]
+        assert code != 0 and "error: 3 stages but the model has 2 blocks" in err
+        records, path = results["uneven"]
+        uneven_reference(train_args, records, torch.load(path), tmp_path)
+
+
+def uneven_reference(train_args, records, state, tmp_path):
+    import ddp
+    path = str(tmp_path / "ddp_small.pt")
+    with contextlib.redirect_stdout(io.StringIO()):
+        ref = ddp.main(train_args + ["--model=small", "--max_iters=4", f"--save_path={path}"])
+    assert_logs_match(records, ref, 1e-4)
+    assert_states_match(state, torch.load(path), 1e-5)
+
+
+def test_one_process_reproduces_reference(train_args, reference, tmp_path):
+    """`python pipeline_parallel.py`: no process group, one stage that is first and last."""
+    path, log = tmp_path / "one.pt", tmp_path / "one.jsonl"
+    r = python("pipeline_parallel.py", train_args + ["--n_micro=4", f"--save_path={path}", f"--log_file={log}"],
+               timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    records = read_log(log)
+    assert_logs_match(records, reference[0], 1e-4)
+    assert_states_match(torch.load(path), reference[1], 1e-5)
+    assert all(r["comm_bytes"] == [0] and r["peak_micro"] == [1] for r in records)
+
+
+def test_torchrun_bad_batch_fails_cleanly(train_args):
+    r = torchrun("pipeline_parallel.py", 2, train_args + ["--n_micro=5"], timeout=120)
+    assert r.returncode != 0
+    # one line, from rank 0 only; torchrun prints a traceback of its own when a child
+    # fails, but none may come from our code
+    assert r.stderr.count("error: --batch_size=24 does not divide into --n_micro=5 micro-batches") == 1
+    assert not any(f'{name}.py", line' in r.stderr for name in ("pipeline_parallel", "model", "collectives"))
