@@ -115,10 +115,23 @@ def assert_logs_match(log, ref, tol=1e-4, key="loss"):
         assert abs(r[key] - q[key]) <= tol, f"iter {r['iter']}: {key} {r[key]:.6f} vs reference {q[key]:.6f}"
 
 
-def assert_states_match(state, ref, tol=1e-5):
-    """Two state dicts (name -> tensor) have the same keys, shapes and values within tol."""
+def assert_states_match(state, ref, tol=1e-5, loose=1e-4, fraction=1e-4):
+    """Two state dicts (name -> tensor) have the same keys and shapes, and their values
+    agree: all but a `fraction` of the elements within `tol`, and every one within `loose`.
+
+    Why not every element within tol: Adam moves a weight by about lr·g/(|g| + eps)
+    whatever g's size. Where the true gradient is ~0 (the attention key's bias always,
+    since softmax ignores a shift shared by all keys; a weight here and there by
+    chance), g is rounding noise, and any change in the order of a sum (a matmul split
+    over ranks, a ring all-reduce) changes that noise and moves those few elements by
+    ~1e-5. A real bug (a wrong slice, a missing gradient sum) moves thousands of
+    elements by 1e-3 or more, and fails both bounds."""
     assert sorted(state) == sorted(ref), f"different keys: {sorted(set(state) ^ set(ref))}"
+    beyond, total = 0, 0
     for k in ref:
         assert state[k].shape == ref[k].shape, f"{k}: shape {tuple(state[k].shape)} vs {tuple(ref[k].shape)}"
-        err = (state[k].float() - ref[k].float()).abs().max().item()
-        assert err <= tol, f"{k}: max abs difference {err:.2e} > {tol}"
+        diff = (state[k].float() - ref[k].float()).abs()
+        assert diff.max().item() <= loose, f"{k}: max abs difference {diff.max().item():.2e} > {loose}"
+        beyond += (diff > tol).sum().item()
+        total += diff.numel()
+    assert beyond <= fraction * total, f"{beyond} of {total} elements differ by more than {tol}"
