@@ -1,0 +1,446 @@
+"""collectives.py against torch.distributed's own collectives over gloo, at 1-5 ranks.
+
+One spawn per world size runs every check for that size (process start-up is the
+expensive part on 2 cores). Test data are small random integers stored in each dtype,
+so every sum, max and min is exact whatever the reduction order: comparisons are
+exact (torch.equal) except for avg and the one randn case. Outputs start as 99, a
+value no correct result can take, so an op that does nothing fails.
+"""
+import contextlib
+import os
+import sys
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import collectives as C  # noqa: E402
+from harness import spawn, torchrun  # noqa: E402
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64]
+SIZES = [1, 7, 1009]
+BUILTIN_OP = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN, "avg": dist.ReduceOp.SUM}
+
+
+def data(seed, rank, numel, dtype):
+    g = torch.Generator().manual_seed(seed * 1009 + rank)
+    return torch.randint(-8, 9, (numel,), generator=g).to(dtype)
+
+
+def sentinel(numel, dtype):
+    return torch.full((numel,), 99, dtype=dtype)
+
+
+def same(got, want, what, op="sum"):
+    if op == "avg":
+        torch.testing.assert_close(got.double(), want.double(), rtol=1e-2, atol=1e-2, msg=what)
+    else:
+        assert got.dtype == want.dtype and torch.equal(got, want), \
+            f"{what}: max diff {(got.double() - want.double()).abs().max().item()}"
+
+
+def builtin_all_reduce(x, op, group=None):
+    x = x.clone()
+    dist.all_reduce(x, op=BUILTIN_OP[op], group=group)
+    return x / dist.get_world_size(group) if op == "avg" else x
+
+
+def tiny_seg(numel):
+    """A segment size that cuts the ring's chunks into several uneven segments."""
+    return 12 if numel < 100 else 1000
+
+
+@contextlib.contextmanager
+def tuned(tree=None, seg=None):
+    """Temporarily force a path: tree=0 sends all_reduce and reduce of every size round the ring."""
+    knobs = ("SMALL_ALL_REDUCE_BYTES", "LARGE_REDUCE_BYTES", "SEGMENT_BYTES")
+    saved = {k: getattr(C, k) for k in knobs}
+    for k, v in zip(knobs, (tree, tree, seg)):
+        if v is not None:
+            setattr(C, k, v)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            setattr(C, k, v)
+
+
+PATHS = [dict(), dict(tree=0)]  # the library's defaults (trees at these sizes), then the rings
+
+
+def ops_for(dtype):
+    return ["sum", "max", "min"] + (["avg"] if dtype.is_floating_point else [])
+
+
+# ----------------------------------------------------------------------------- checks, per world size
+
+def check_reductions(rank, n, group=None, seed=0, dtypes=DTYPES, sizes=SIZES):
+    """all_reduce, reduce_scatter, reduce: every dtype, uneven sizes, every op, both all_reduce paths."""
+    me, ranks = dist.get_rank(group), dist.get_process_group_ranks(group) if group is not None else list(range(n))
+    n = len(ranks)
+    for dtype in dtypes:
+        for numel in sizes:
+            x = data(seed + numel, rank, numel, dtype)
+            for op in ops_for(dtype):
+                want = builtin_all_reduce(x, op, group)
+                if numel == 1009 and n > 1:
+                    assert not torch.equal(want, x), "test data too weak"
+                for path in [dict(), dict(tree=0, seg=tiny_seg(numel))]:  # tree; segmented ring
+                    with tuned(**path):
+                        got = x.clone()
+                        C.all_reduce(got, op=op, group=group)
+                    same(got, want, f"all_reduce {op} {dtype} numel={numel} {path} n={n}", op)
+                # reduce_scatter: input = n * numel
+                xin = data(seed + numel + 1, rank, n * numel, dtype)
+                want = builtin_all_reduce(xin, op, group)[me * numel:(me + 1) * numel]
+                for seg in (None, tiny_seg(numel)):
+                    with tuned(seg=seg):
+                        got = sentinel(numel, dtype)
+                        C.reduce_scatter(got, xin, op=op, group=group)
+                    same(got, want, f"reduce_scatter {op} {dtype} numel={numel} seg={seg} n={n}", op)
+            # reduce to every root (sum), and every op to one root; tree and ring paths
+            for dst_i, op in [(i, "sum") for i in range(n)] + [(n - 1, o) for o in ops_for(dtype)]:
+                dst, want = ranks[dst_i], builtin_all_reduce(x, op, group)
+                for path in PATHS:
+                    got = x.clone()
+                    with tuned(**path):
+                        C.reduce(got, dst, op=op, group=group)
+                    if me == dst_i:
+                        same(got, want, f"reduce {op} dst={dst} {dtype} numel={numel} {path}", op)
+                    else:
+                        assert torch.equal(got, x), "reduce must leave non-dst tensors unchanged"
+
+
+def check_movement(rank, n, group=None, seed=100, dtypes=DTYPES, sizes=SIZES):
+    """broadcast, scatter, gather, all_gather, all_to_all: every root, every dtype, uneven sizes."""
+    me, ranks = dist.get_rank(group), dist.get_process_group_ranks(group) if group is not None else list(range(n))
+    n = len(ranks)
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    for dtype in dtypes:
+        for numel in sizes:
+            x = data(seed + numel, rank, numel, dtype)
+            big = data(seed + numel + 7, rank, n * numel, dtype)
+            for root_i, src in enumerate(ranks):
+                want = x.clone()
+                dist.broadcast(want, src, group=group)
+                got = x.clone()
+                C.broadcast(got, src, group=group)
+                same(got, want, f"broadcast src={src} {dtype} numel={numel}")
+                if numel == 1009 and me != root_i:
+                    assert not torch.equal(want, x), "test data too weak"
+                # scatter: piece i of src's input to rank i
+                want = sentinel(numel, dtype)
+                dist.scatter(want, list(big.chunk(n)) if me == root_i else None, src=src, group=group)
+                got = sentinel(numel, dtype)
+                C.scatter(got, big if me == root_i else None, src, group=group)
+                same(got, want, f"scatter src={src} {dtype} numel={numel}")
+                # gather: rank i's input to piece i on dst
+                want = sentinel(n * numel, dtype)
+                dist.gather(x, list(want.chunk(n)) if me == root_i else None, dst=src, group=group)
+                got = sentinel(n * numel, dtype) if me == root_i else None
+                C.gather(got, x, src, group=group)
+                if me == root_i:
+                    same(got, want, f"gather dst={src} {dtype} numel={numel}")
+            want = sentinel(n * numel, dtype)
+            dist.all_gather_into_tensor(want, x, group=group)
+            for seg in (None, tiny_seg(numel)):
+                got = sentinel(n * numel, dtype)
+                with tuned(seg=seg):
+                    C.all_gather(got, x, group=group)
+                same(got, want, f"all_gather {dtype} numel={numel} seg={seg}")
+            want = sentinel(n * numel, dtype)
+            dist.all_to_all_single(want, big, group=group)
+            got = sentinel(n * numel, dtype)
+            C.all_to_all(got, big, group=group)
+            same(got, want, f"all_to_all {dtype} numel={numel}")
+
+
+def check_float_noise(rank, n):
+    """Non-integer float32 data: sums agree with the built-in to rounding, and all ranks agree bit for bit."""
+    x = torch.randn(10007, generator=torch.Generator().manual_seed(rank))
+    want = builtin_all_reduce(x, "sum")
+    for path in PATHS:
+        got = x.clone()
+        with tuned(**path):
+            C.all_reduce(got)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        everyone = torch.empty(n * got.numel())
+        dist.all_gather_into_tensor(everyone, got)
+        assert all(torch.equal(p, got) for p in everyone.chunk(n)), "ranks disagree on the all_reduce result"
+
+
+def check_noncontiguous(rank, n):
+    """Strided tensors in and out: results land in the caller's view and nowhere else."""
+    numel = 1009
+    def strided(values):  # every other element of a 2-column buffer; column 1 must stay 99
+        buf = torch.full((values.numel(), 2), 99.0)
+        buf[:, 0] = values
+        return buf, buf[:, 0]
+    x = data(7, rank, numel, torch.float32)
+    want_bc = x.clone()
+    dist.broadcast(want_bc, n - 1)
+    want_max, want_sum = builtin_all_reduce(x, "max"), builtin_all_reduce(x, "sum")
+    for path in PATHS:
+        with tuned(**path):
+            buf, view = strided(x)
+            C.all_reduce(view, op="max")
+            same(view, want_max, f"all_reduce strided {path}")
+            assert (buf[:, 1] == 99).all()
+            buf, view = strided(x)
+            C.broadcast(view, n - 1)
+            same(view, want_bc, f"broadcast strided {path}")
+            assert (buf[:, 1] == 99).all()
+            buf, view = strided(x)
+            C.reduce(view, 0)
+            if rank == 0:
+                same(view, want_sum, f"reduce strided {path}")
+            assert (buf[:, 1] == 99).all()
+    obuf, out = strided(sentinel(n * numel, torch.float32))
+    C.all_gather(out, strided(x)[1])
+    want = sentinel(n * numel, torch.float32)
+    dist.all_gather_into_tensor(want, x)
+    same(out, want, "all_gather strided")
+    assert (obuf[:, 1] == 99).all()
+    big = data(8, rank, n * numel, torch.float32)
+    obuf, out = strided(sentinel(numel, torch.float32))
+    C.reduce_scatter(out, strided(big)[1])
+    same(out, builtin_all_reduce(big, "sum")[rank * numel:(rank + 1) * numel], "reduce_scatter strided")
+    obuf, out = strided(sentinel(n * numel, torch.float32))
+    C.all_to_all(out, strided(big)[1])
+    want = sentinel(n * numel, torch.float32)
+    dist.all_to_all_single(want, big)
+    same(out, want, "all_to_all strided")
+    # a 2-D non-contiguous tensor (a transpose) through all_reduce
+    m = data(9, rank, 6 * 5, torch.float32).view(6, 5)
+    t = m.clone().t()
+    C.all_reduce(t)
+    same(t, builtin_all_reduce(m, "sum").t(), "all_reduce transposed")
+
+
+def check_async(rank, n):
+    """Several async ops in flight, a sync op queued behind them, then all waited: all right."""
+    with tuned(tree=0, seg=4000):  # rings of several segments, so the worker really pipelines
+        run_async_ops(rank, n)
+
+
+def run_async_ops(rank, n):
+    a = data(1, rank, 30011, torch.float32)
+    b = data(2, rank, 20003, torch.bfloat16)
+    xs = data(3, rank, n * 1001, torch.int64)
+    bc = data(4, rank, 777, torch.float16)
+    got_a, got_b, got_bc = a.clone(), b.clone(), bc.clone()
+    got_rs, got_ag = sentinel(1001, torch.int64), sentinel(n * 20003, torch.bfloat16)
+    handles = [C.all_reduce(got_a, async_op=True),
+               C.all_gather(got_ag, b, async_op=True),
+               C.reduce_scatter(got_rs, xs, op="max", async_op=True),
+               C.all_reduce(got_b, op="min", async_op=True)]
+    C.broadcast(got_bc, n - 1)  # synchronous: must run after the four above, on every rank
+    handles.append(C.all_reduce(got_a, async_op=True))  # sums the first all_reduce's result again
+    for h in handles:
+        assert h.wait()
+        assert h.is_completed()
+    want_bc = bc.clone()
+    dist.broadcast(want_bc, n - 1)
+    same(got_bc, want_bc, "sync broadcast behind async ops")
+    same(got_a, builtin_all_reduce(a, "sum") * n, "async all_reduce twice")
+    want = sentinel(n * 20003, torch.bfloat16)
+    dist.all_gather_into_tensor(want, b)
+    same(got_ag, want, "async all_gather")
+    same(got_rs, builtin_all_reduce(xs, "max")[rank * 1001:(rank + 1) * 1001], "async reduce_scatter")
+    same(got_b, builtin_all_reduce(b, "min"), "async all_reduce min")
+
+
+def check_bytes(rank, n):
+    """Bytes each rank sends match the alpha-beta table exactly where chunks divide evenly."""
+    S = 4 * n * 1000  # float32 bytes, divisible by n
+    x, out, full = torch.ones(S // 4), torch.empty(S // 4 // n), torch.empty(S // 4)
+    C.reset_bytes()
+    C.broadcast(x, 0)
+    C.reduce(x, n - 1)  # trees at this size
+    C.all_reduce(x)
+    trees = C.bytes_by_op()
+    # a small all_reduce: up the tree to rank 0 (every other rank sends S once), then down
+    # (a rank sends S to each of its children: v + 2^k for every 2^k above v)
+    children = sum(1 for k in range(n.bit_length()) if rank < 2 ** k and rank + 2 ** k < n)
+    assert trees.get("all_reduce", 0) == (rank != 0) * S + children * S, trees
+    C.reset_bytes()
+    with tuned(tree=0):  # rings from here on
+        C.reduce(x, n - 1)
+        rings = C.bytes_by_op()
+        C.reset_bytes()
+        check_ring_bytes(rank, n, S, x, out, full)
+    C.reset_bytes()
+    assert C.bytes_sent() == 0 and C.bytes_by_op() == {}
+    return dict(broadcast=trees.get("broadcast", 0), tree_reduce=trees.get("reduce", 0),
+                ring_reduce=rings.get("reduce", 0)), S
+
+
+def check_ring_bytes(rank, n, S, x, out, full):
+    C.all_reduce(x)
+    C.all_gather(full, out)
+    C.reduce_scatter(out, full)
+    C.all_to_all(torch.empty(S // 4), full)
+    C.scatter(out, full if rank == 0 else None, 0)
+    with C.untracked():  # none of this counts
+        C.all_reduce(x)
+        C.gather(full if rank == 0 else None, out, 0)
+        C.barrier()
+    C.gather(full if rank == 0 else None, out, 0)
+    by_op = C.bytes_by_op()
+    assert C.bytes_sent() == sum(by_op.values())
+    for op, want in [("all_reduce", 2 * (n - 1) * S // n), ("all_gather", (n - 1) * S // n),
+                     ("reduce_scatter", (n - 1) * S // n), ("all_to_all", (n - 1) * S // n),
+                     ("scatter", (n - 1) * S // n if rank == 0 else 0), ("gather", 0 if rank == 0 else S // n)]:
+        assert by_op.get(op, 0) == want, f"{op}: sent {by_op.get(op, 0)}, formula {want} (n={n})"
+    assert "send" not in by_op and "recv" not in by_op, "collective traffic must be charged to the collective"
+
+
+def check_bad_input(rank, n):
+    """Mistakes every rank can see raise ValueError before anything is sent; the group still works."""
+    f, i = torch.zeros(4 * n), torch.zeros(4 * n, dtype=torch.int64)
+    C.reset_bytes()
+    bad = [lambda: C.all_gather(torch.empty(4 * n + 1), torch.empty(4)),
+           lambda: C.all_gather(torch.empty(4 * n, dtype=torch.int64), torch.empty(4)),
+           lambda: C.reduce_scatter(torch.empty(3), f),
+           lambda: C.all_to_all(torch.empty(4 * n + 1), torch.empty(4 * n + 1)) if n > 1 else C.all_to_all(f, i),
+           lambda: C.all_to_all(torch.empty(4 * n), torch.empty(4 * n - 1)),
+           lambda: C.scatter(torch.empty(5), f, 0),
+           lambda: C.gather(torch.empty(5), torch.empty(4), 0),
+           lambda: C.broadcast(f, n),
+           lambda: C.broadcast(f, -1),
+           lambda: C.reduce(f, n, op="sum"),
+           lambda: C.all_reduce(f, op="prod"),
+           lambda: C.all_reduce(i, op="avg"),
+           lambda: C.reduce_scatter(torch.empty(4, dtype=torch.int64), i, op="avg"),
+           lambda: C.send(f, rank)]
+    for call in bad:
+        with pytest.raises(ValueError):
+            call()
+    assert C.bytes_sent() == 0, "a rejected call sent data"
+    x = torch.full((3,), float(rank))
+    C.all_reduce(x, op=dist.ReduceOp.MAX)  # ReduceOp values work too
+    assert torch.equal(x, torch.full((3,), float(n - 1)))
+
+
+def check_send_recv(rank, n):
+    if n < 2:
+        return
+    t = torch.arange(10.0) + rank
+    got = torch.full((10,), 99.0)
+    C.reset_bytes()
+    if rank == 0:
+        C.send(t, 1)
+        h = C.recv(got, n - 1, async_op=True)
+        h.wait()
+        same(got, torch.arange(10.0) + n - 1, "recv")
+    elif rank == 1:
+        C.recv(got, 0)
+        same(got, torch.arange(10.0), "recv")
+    if rank == n - 1:
+        C.send(t, 0)
+    assert C.bytes_by_op().get("send", 0) == 40 * ((rank == 0) + (rank == n - 1))
+
+
+def check_subgroups(rank, n):
+    """At world 4: pairs {0,2} {1,3} and a trio {1,2,3}, with global src/dst."""
+    pairs = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    trio = dist.new_group([1, 2, 3])
+    mine = pairs[rank % 2]
+    light = dict(dtypes=[torch.float32, torch.int64], sizes=[7, 1009])
+    check_reductions(rank, n, group=mine, seed=50, **light)
+    check_movement(rank, n, group=mine, seed=60, **light)
+    if rank == 0:
+        with pytest.raises(ValueError):
+            C.all_reduce(torch.zeros(3), group=trio)
+    else:
+        check_reductions(rank, n, group=trio, seed=70, **light)
+        check_movement(rank, n, group=trio, seed=80, **light)
+        with pytest.raises(ValueError):
+            C.broadcast(torch.zeros(3), 0, group=trio)  # rank 0 is not in the trio
+
+
+def all_checks(rank, n):
+    torch.manual_seed(0)
+    check_reductions(rank, n)
+    check_movement(rank, n)
+    check_float_noise(rank, n)
+    check_noncontiguous(rank, n)
+    check_async(rank, n)
+    check_send_recv(rank, n)
+    check_bad_input(rank, n)
+    result = check_bytes(rank, n)
+    if n == 4:
+        check_subgroups(rank, n)
+    C.barrier()
+    C.shutdown()  # we did not create the group: this must leave it alone
+    assert dist.is_initialized()
+    return result
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5])
+def test_against_builtin(n):
+    results = spawn(all_checks, n, timeout=240)
+    per_rank = [r[0] for r in results]
+    S = results[0][1]
+    # trees: N-1 messages of S in all (every rank but the root receives, or sends, once)
+    for op in ("broadcast", "tree_reduce"):
+        assert sum(b[op] for b in per_rank) == (n - 1) * S, op
+    # reduce from LARGE_REDUCE_BYTES on: ring reduce-scatter, (N-1) S in all, then (N-1)/N S gathered at the root
+    assert sum(b["ring_reduce"] for b in per_rank) == (n - 1) * S + (n - 1) * S // n
+
+
+def test_no_process_group():
+    """Plain `python script.py`: no group at all, every collective degenerates to world size 1."""
+    assert not dist.is_initialized()
+    assert C.get_rank() == 0 and C.get_world_size() == 1
+    if "WORLD_SIZE" not in os.environ:  # not under torchrun: init_distributed makes no group
+        assert C.init_distributed()[:3] == (0, 1, 0) and not dist.is_initialized()
+    x = torch.tensor([1.0, 2.0, 3.0])
+    for op in ("sum", "avg", "max", "min"):
+        y = x.clone()
+        C.all_reduce(y, op=op)
+        assert torch.equal(y, x)
+    y = x.clone()
+    C.broadcast(y, 0)
+    C.reduce(y, 0, op="avg")
+    assert torch.equal(y, x)
+    for fn in (C.scatter, C.gather):
+        out = sentinel(3, torch.float32)
+        fn(out, x, 0)
+        assert torch.equal(out, x)
+    for fn in (C.all_gather, C.reduce_scatter, C.all_to_all):
+        out = sentinel(3, torch.float32)
+        h = fn(out, x, async_op=True)
+        h.wait()
+        assert torch.equal(out, x)
+    with pytest.raises(ValueError):
+        C.broadcast(x, 1)
+    with pytest.raises(ValueError):
+        C.send(x, 0)
+    C.barrier()
+    assert C.bytes_sent() == 0
+
+    def boom():
+        raise RuntimeError("boom")
+    h = C._launch("test", boom, True, x.device)  # an error inside the worker surfaces at wait()
+    with pytest.raises(RuntimeError, match="boom"):
+        h.wait()
+    C.shutdown()
+    assert C._worker is None
+
+
+OPS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "reduce", "scatter", "gather")
+
+
+def test_benchmark_runs():
+    p = torchrun("collectives.py", 2, ["--sizes=4K,64K", "--iters=2", "--warmup=1"], timeout=120)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "busbw" in p.stdout
+    rows = [line.split() for line in p.stdout.splitlines() if line.split() and line.split()[0] in OPS]
+    assert sorted((r[0], r[1]) for r in rows) == sorted((op, s) for op in OPS for s in ("4K", "64K")), p.stdout
+    for r in rows:  # op size | ms algbw busbw | ms algbw busbw | ratio: ours always timed
+        assert float(r[3]) > 0 and float(r[5]) > 0, r
