@@ -202,6 +202,20 @@ def leaf(t):
     return t.detach().requires_grad_()
 
 
+def traffic_per_rank(config, cfg, world):
+    """The docstring's formula, per rank per step: every unit's padded parameter bytes
+    gathered twice and reduce-scattered once per micro-step (ZeRO-3), or reduce-scattered
+    and gathered once a step (ZeRO-1/2), plus the gradient norm's one float."""
+    with torch.device("meta"):
+        block = sum(p.numel() for p in M.Block(config).parameters())
+    units = [M.param_count(config) - config.n_layer * block] + [block] * config.n_layer  # the ends, the blocks
+    padded = sum(-(-n // world) * world for n in units)
+    elem = 2 if cfg.dtype == "bfloat16" else 4  # bf16 runs gather and reduce in bf16
+    passes = {3: 3 * cfg.grad_accum, 2: cfg.grad_accum + 1, 1: 2}[cfg.zero_stage]
+    norm = 2 * (world - 1) / world * 4 if cfg.grad_clip else 0
+    return passes * (world - 1) / world * padded * elem + norm
+
+
 def main(argv=None):
     cfg = M.parse_args(DEFAULTS, argv, __doc__)
     if cfg.zero_stage not in (1, 2, 3):

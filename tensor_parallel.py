@@ -355,6 +355,20 @@ def clip_global_norm(sharded, replicated, max_norm):
     return norm
 
 
+def traffic_per_rank(config, cfg, world):
+    """The docstring's formula: bytes a rank sends per step, on average over the ranks
+    (a ring sends 2(N-1)/N·S from every rank; the tree that small all-reduces take
+    sends the same total, unevenly). Activations travel in the compute dtype."""
+    act = 2 if cfg.dtype == "bfloat16" else 4
+    ar = 2 * (world - 1) / world  # an all-reduce, or a reduce-scatter plus an all-gather
+    bs = cfg.batch_size * config.block_size
+    total = (4 * config.n_layer + 2) * ar * bs * config.n_embd * act + 3 * ar * bs * 4 + ar * 4
+    if cfg.sequence_parallel:
+        h = config.n_embd
+        total += ar * (6 * config.n_layer * h + 2 * h + config.block_size * h) * 4
+    return total
+
+
 def main(argv=None):
     cfg = M.parse_args(DEFAULTS, argv, __doc__)
     rank, world, _, device = C.init_distributed()

@@ -1,0 +1,152 @@
+"""
+All four strategies side by side: the same GPT on the same data, trained by the
+one-process baseline, DDP, FSDP, tensor parallel and both pipeline schedules, at
+one world size, and one table of what each costs.
+
+    python bench/compare.py                         # tiny preset, 2 ranks, 20 steps
+    python bench/compare.py --world 4 --csv out.csv --png out.png
+
+Every strategy must end on the baseline's loss (float32, so to about 1e-5), and
+send the bytes its formula says: the "formula" column is the closed form from
+FORMULAS.md that each strategy file states as traffic_per_rank(); "sent" is what
+collectives.py counted. A strategy that fails is reported in its row and the
+others still run. Data: data/shakespeare if prepared, else a synthetic set.
+"""
+import argparse
+import csv
+import importlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+import model as M  # noqa: E402
+
+STRATEGIES = [  # (name, script, runs at world size N?, extra flags)
+    ("baseline", "ddp.py", False, []),
+    ("ddp", "ddp.py", True, []),
+    ("fsdp", "fsdp.py", True, []),
+    ("tensor", "tensor_parallel.py", True, []),
+    ("pipe-gpipe", "pipeline_parallel.py", True, ["--schedule=gpipe"]),
+    ("pipe-1f1b", "pipeline_parallel.py", True, ["--schedule=1f1b"]),
+]
+
+
+def launch(script, world, flags, log, timeout):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
+           script, *flags, f"--log_file={log}"]
+    try:
+        r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                           env=dict(os.environ, OMP_NUM_THREADS="1"))
+    except subprocess.TimeoutExpired:
+        return None, f"timed out after {timeout}s"
+    if r.returncode:
+        lines = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")] or r.stderr.strip().splitlines()[-1:]
+        return None, (lines[0] if lines else f"exit code {r.returncode}")
+    return [json.loads(line) for line in open(log)], None
+
+
+def formula(script, flags, world):
+    """The strategy's own closed form for the bytes a rank sends per step."""
+    module = importlib.import_module(script[:-3])
+    cfg = M.parse_args(module.DEFAULTS, flags)
+    _, _, vocab = M.load_data(cfg.data_dir)
+    return module.traffic_per_rank(M.make_config(cfg.model, vocab, cfg.block_size), cfg, world)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--world", type=int, default=2)
+    p.add_argument("--model", default="tiny")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--batch_size", type=int, default=24)
+    p.add_argument("--block_size", type=int, default=64)
+    p.add_argument("--n_micro", type=int, default=4)
+    p.add_argument("--data_dir", default="")
+    p.add_argument("--only", nargs="*", help="run only these strategies (names as in the table)")
+    p.add_argument("--csv", default="")
+    p.add_argument("--png", default="")
+    p.add_argument("--timeout", type=int, default=600)
+    args = p.parse_args(argv)
+    data_dir = args.data_dir or os.path.join(ROOT, "data", "shakespeare")
+    tmp = tempfile.mkdtemp(prefix="compare_")
+    if not os.path.exists(os.path.join(data_dir, "train.bin")):
+        sys.path.insert(0, os.path.join(ROOT, "tests"))
+        from conftest import make_dataset
+        data_dir = make_dataset(os.path.join(tmp, "data"))
+    common = [f"--model={args.model}", f"--data_dir={data_dir}", f"--batch_size={args.batch_size}",
+              f"--block_size={args.block_size}", f"--max_iters={args.iters}", "--eval_interval=0",
+              "--log_interval=0", "--dtype=float32", f"--warmup_iters={max(1, args.iters // 5)}"]
+
+    rows, curves = [], {}
+    for name, script, parallel, extra in STRATEGIES:
+        if args.only and name not in args.only:
+            continue
+        world = args.world if parallel else 1
+        flags = common + extra + (["--n_micro=%d" % args.n_micro] if script.startswith("pipeline") else [])
+        records, err = launch(script, world, flags, os.path.join(tmp, f"{name}.jsonl"), args.timeout)
+        row = dict(strategy=name, ranks=world)
+        if err:
+            row["error"] = err
+        else:
+            steady = records[2:] or records
+            sent = [statistics.mean(r["comm_bytes"]) for r in steady]
+            row.update(final_loss=records[-1]["loss"], ms_per_step=statistics.median(r["dt_ms"] for r in steady),
+                       tokens_per_s=statistics.median(r["tokens_per_s"] for r in steady),
+                       sent_mb=statistics.mean(sent) / 1e6, formula_mb=formula(script, flags, world) / 1e6,
+                       state_mb=max(records[-1]["state_bytes"]) / 1e6,
+                       peak_mb=max(records[-1]["peak_bytes"]) / 1e6 if "peak_bytes" in records[-1] else None)
+            curves[name] = [r["loss"] for r in records]
+        rows.append(row)
+        print_row(row, rows[0], header=len(rows) == 1)
+
+    if args.csv:
+        keys = ["strategy", "ranks", "final_loss", "ms_per_step", "tokens_per_s", "sent_mb", "formula_mb",
+                "state_mb", "peak_mb", "error"]
+        with open(args.csv, "w", newline="") as f:
+            w = csv.DictWriter(f, keys)
+            w.writeheader()
+            w.writerows(rows)
+    if args.png:
+        plot(curves, args.png)
+    return rows
+
+
+def print_row(row, base, header):
+    if header:
+        print(f"{'strategy':<11} {'ranks':>5} {'final loss':>10} {'Δ baseline':>10} {'ms/step':>8} {'tok/s':>7} "
+              f"{'sent MB/rank':>12} {'formula MB':>10} {'state MB/rank':>13} {'peak MB':>8}")
+    if "error" in row:
+        print(f"{row['strategy']:<11} {row['ranks']:>5}  FAILED: {row['error']}", flush=True)
+        return
+    delta = row["final_loss"] - base["final_loss"] if "final_loss" in base else float("nan")
+    peak = f"{row['peak_mb']:.0f}" if row["peak_mb"] is not None else "-"
+    print(f"{row['strategy']:<11} {row['ranks']:>5} {row['final_loss']:>10.5f} {delta:>10.1e} {row['ms_per_step']:>8.1f} "
+          f"{row['tokens_per_s']:>7.0f} {row['sent_mb']:>12.3f} {row['formula_mb']:>10.3f} {row['state_mb']:>13.2f} "
+          f"{peak:>8}", flush=True)
+
+
+def plot(curves, path):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot")
+        return
+    for name, losses in curves.items():
+        plt.plot(losses, label=name, linestyle="--" if name != "baseline" else "-")
+    plt.xlabel("iteration")
+    plt.ylabel("train loss")
+    plt.legend()
+    plt.title("the same run, split five ways")
+    plt.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
