@@ -2,8 +2,8 @@
 Benchmark fsdp.py: time per step with and without prefetch, and the state each rank
 holds under ZeRO-1, 2 and 3 next to DDP's, for the same model at 2 and 4 ranks.
 
-    python bench/fsdp.py                        # small preset on data/shakespeare, 2 and 4 CPU ranks
-    python bench/fsdp.py --worlds=2 --iters=20 --model=tiny
+    python bench/fsdp_memory.py                        # small preset on data/shakespeare, 2 and 4 CPU ranks
+    python bench/fsdp_memory.py --worlds=2 --iters=20 --model=tiny
 
 Every run is a real `torchrun` launch with a deadline; the numbers come from the JSON
 log (rank 0 writes one record per iteration). Time is the median over the iterations

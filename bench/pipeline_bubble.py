@@ -5,8 +5,8 @@ fraction next to the theory (p-1)/(m+p-1), and the peak activation memory each
 stage held (the bytes autograd saved for backward, summed over the micro-batches
 alive at once: GPipe holds m of them, 1F1B at most p-stage).
 
-    python bench/pipeline_parallel.py                          # p in {2, 4}, m in {1, 4, 8, 16}: a few minutes
-    python bench/pipeline_parallel.py --stages 2 --micro 4 16 --iters 8
+    python bench/pipeline_bubble.py                          # p in {2, 4}, m in {1, 4, 8, 16}: a few minutes
+    python bench/pipeline_bubble.py --stages 2 --micro 4 16 --iters 8
 
 Idle = 1 - (time in forward and backward) / (first forward to last backward of the
 step), averaged over the steps after the first two. On a 2-core CPU, 4 stages

@@ -3,8 +3,8 @@ How much of DDP's communication does backward hide? Runs ddp.py in its three mod
 at 2 and 4 CPU ranks and prints time per step next to the time the step spent
 waiting for all-reduces that backward did not hide.
 
-    python bench/ddp.py                      # the small preset, a few minutes on 2 cores
-    python bench/ddp.py --worlds 2 --iters 6 --model tiny
+    python bench/ddp_overlap.py                      # the small preset, a few minutes on 2 cores
+    python bench/ddp_overlap.py --worlds 2 --iters 6 --model tiny
 
 hidden = 1 - exposed(overlap) / exposed(bucketed): in bucketed mode all of the
 communication is exposed, so its exposed time is the communication time.
