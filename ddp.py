@@ -45,8 +45,8 @@ class GradBuckets:
     so the first bucket fills first and can be sent while backward still runs.
     """
 
-    def __init__(self, params, bucket_mb, mode):
-        self.mode = mode
+    def __init__(self, params, bucket_mb, mode, world):
+        self.mode = mode if world > 1 else "alone"  # one process: nothing to average, nothing to launch
         params = [p for p in params if p.requires_grad][::-1]
         cap = int(bucket_mb * 2**20)
         groups, size = [[]], 0
@@ -100,7 +100,7 @@ class GradBuckets:
             for h in self.handles:
                 h.wait()
             self.handles = []
-        else:
+        elif self.mode != "alone":
             for flat in self.buffers:
                 C.all_reduce(flat, op="avg")
         return M.timer(self.buffers[0].device) - t0
@@ -123,7 +123,7 @@ def main(argv=None):
     model = M.GPT(config, seed=cfg.seed).to(device)
     for t in list({id(p): p for p in model.parameters()}.values()) + list(model.buffers()):
         C.broadcast(t.data, src=0)
-    buckets = GradBuckets(model.parameters(), cfg.bucket_mb, cfg.mode)
+    buckets = GradBuckets(model.parameters(), cfg.bucket_mb, cfg.mode, world)
     optimizer = M.make_optimizer(model.named_parameters(), cfg, device)
     step_model = torch.compile(model) if cfg.compile else model
 
