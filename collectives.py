@@ -3,22 +3,49 @@ Collectives by hand: broadcast, reduce, all_reduce, scatter, gather, all_gather,
 reduce_scatter and all_to_all on nothing but point-to-point messages (isend/irecv,
 posted together with batch_isend_irecv). The signatures mirror torch.distributed's
 tensor forms, so `C.all_reduce(t)` and `dist.all_reduce(t)` can be swapped and compared.
-src/dst are GLOBAL ranks; op is "sum", "avg", "max", "min" or a dist.ReduceOp; avg is
-sum then divide, and is refused (ValueError) for integer tensors rather than rounded.
 
-Costs below are in the alpha-beta model of FORMULAS.md: a message of S bytes costs
-alpha + S/beta, reducing S bytes costs S*gamma, N is the number of ranks.
+    init_distributed(timeout_s=None) -> (rank, world_size, local_rank, device)
+    shutdown()
+    get_rank(group=None), get_world_size(group=None), group_ranks(group=None) -> [global ranks]
+    new_group(ranks) -> the group on its members, None elsewhere
+    broadcast(tensor, src, group=None, async_op=False)
+    reduce(tensor, dst, op="sum", group=None, async_op=False)
+    all_reduce(tensor, op="sum", group=None, async_op=False)
+    reduce_scatter(output, input, op="sum", group=None, async_op=False)
+    all_gather(output, input, group=None, async_op=False)
+    scatter(output, input, src, group=None, async_op=False)
+    gather(output, input, dst, group=None, async_op=False)
+    all_to_all(output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False)
+    send(tensor, dst, group=None, async_op=False), recv(tensor, src, group=None, async_op=False)
+    sendrecv(send_tensor, dst, recv_tensor, src, group=None, async_op=False)
+        the pipeline's primitive: a send and a receive posted together, as MPI_Sendrecv
+    barrier(group=None), gather_stats(values, group=None) -> {name: [value of each rank]}
+    bytes_sent(group=None), bytes_by_op(), bytes_by_group(), reset_bytes(), untracked()
+    CommError: a wait that failed, naming the ranks it was waiting for
+
+src/dst are GLOBAL ranks; group None is the whole world; op is "sum", "avg", "max", "min"
+or a dist.ReduceOp; avg is sum then divide, and is refused (ValueError) for integer
+tensors rather than rounded. async_op=True returns a handle with wait() and is_completed().
+
+Costs below are in the alpha-beta model (the README's "The numbers behind the strategies";
+the ring and tree algorithms and their costs are those of Thakur, Rabenseifner & Gropp,
+"Optimization of Collective Communication Operations in MPICH", 2005): a message of S bytes
+costs alpha + S/beta, reducing S bytes costs S*gamma, N is the number of ranks.
 
 Every algorithm is a list of steps (sends, recvs, then): post the step's messages
 together, wait for them, call then() (say, add what arrived). _run is the one place that
 posts messages, and it may keep several steps on the wire at once: that is how the
 rings overlap the wire with the adder.
 
-`torchrun --nproc_per_node=4 collectives.py` times each one against the built-in.
+bench/collectives_bench.py times each one against the built-in
+(`torchrun --nproc_per_node=4 bench/collectives_bench.py`).
 """
 import atexit
 import contextlib
+import datetime
 import functools
+import math
+import operator
 import os
 import queue
 import threading
@@ -27,10 +54,10 @@ from collections import defaultdict, deque
 import torch
 import torch.distributed as dist
 
-# Tuning knobs, measured with the benchmark below (gloo ranks on 2 CPU cores, where alpha
-# is a thread wake-up: ~0.1 ms idle, milliseconds under load). There the tree all_reduce
-# beat the ring up to 4-8 MB; 64 KB keeps the tree for small messages only, the split
-# that the training scripts' traffic tests assume.
+# Tuning knobs, measured with bench/collectives_bench.py (gloo ranks on 2 CPU cores, where
+# alpha is a thread wake-up: ~0.1 ms idle, milliseconds under load). There the tree
+# all_reduce beat the ring up to 4-8 MB; 64 KB keeps the tree for small messages only, the
+# split that the training scripts' traffic tests assume.
 SMALL_ALL_REDUCE_BYTES = 64 << 10  # all_reduce below this size: tree reduce + tree broadcast
 LARGE_REDUCE_BYTES = 32 << 20      # reduce from this size on: ring reduce-scatter + gather
 SEGMENT_BYTES = 4 << 20            # rings cut each chunk into segments of at most this size
@@ -41,17 +68,19 @@ PIPELINE_DEPTH = 2                 # and keep this many in flight: one moves whi
 _we_created_group = False
 
 
-def init_distributed():
-    """-> (rank, world_size, local_rank, device). The one place the backend is chosen."""
+def init_distributed(timeout_s=None):
+    """-> (rank, world_size, local_rank, device). The one place the backend is chosen.
+    timeout_s: how long a rank waits for a peer before its collective fails (CommError)."""
     global _we_created_group
     cuda, local_rank = torch.cuda.is_available(), int(os.environ.get("LOCAL_RANK", 0))
     if cuda:
         torch.cuda.set_device(local_rank)  # before NCCL starts, or every rank lands on GPU 0
     if not _initialized() and "WORLD_SIZE" in os.environ:  # torchrun; plain `python x.py`: no group
+        kw = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
         if cuda:  # device_id makes NCCL create its communicator now, with every rank present
-            dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+            dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank), **kw)
         else:
-            dist.init_process_group("gloo")
+            dist.init_process_group("gloo", **kw)
         _we_created_group = True
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     return get_rank(), get_world_size(), local_rank, device
@@ -60,9 +89,18 @@ def init_distributed():
 def shutdown():
     """Stop the async worker; destroy the process group only if init_distributed made it."""
     global _we_created_group
-    _stop_worker()
+    _stop_worker()  # runs everything still queued first
     if _we_created_group and _initialized():
-        dist.destroy_process_group()
+        # torch < ~2.6 destroys an NCCL group by aborting its communicator, in-flight work
+        # included, and waiting on NCCL work does not block the CPU: a rank that got here
+        # first would cut off a peer still receiving from it. So the GPU finishes, then
+        # everybody arrives, then the group goes.
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+        try:
+            barrier()
+        finally:
+            dist.destroy_process_group()
     _we_created_group = False
 
 
@@ -70,22 +108,33 @@ def _initialized():
     return dist.is_available() and dist.is_initialized()
 
 
+def _world(group):
+    # None means the whole world, but before torch 2.8 not every call takes None for it
+    # (get_process_group_ranks(None) raises KeyError): always name the group
+    return dist.group.WORLD if group is None else group
+
+
 def get_rank(group=None):
-    return dist.get_rank(group) if _initialized() else 0
+    return dist.get_rank(_world(group)) if _initialized() else 0
 
 
 def get_world_size(group=None):
-    return dist.get_world_size(group) if _initialized() else 1
+    return dist.get_world_size(_world(group)) if _initialized() else 1
+
+
+def group_ranks(group=None):
+    """-> the global rank of each rank of the group, in group rank order (None: the world)."""
+    return dist.get_process_group_ranks(_world(group)) if _initialized() else [0]
 
 
 def _members(group):
     """-> (my index in the group, group size, global rank of each index). No group at all: one rank."""
     if not _initialized():
         return 0, 1, [0]
-    me = dist.get_rank(group)
+    me = dist.get_rank(_world(group))
     if me < 0:
         raise ValueError("this rank is not a member of the group")
-    return me, dist.get_world_size(group), dist.get_process_group_ranks(group)
+    return me, dist.get_world_size(_world(group)), group_ranks(group)
 
 
 def _index_of(root, ranks, what):
@@ -93,23 +142,68 @@ def _index_of(root, ranks, what):
         raise ValueError(f"{what}={root} is not a (global) rank of the group {ranks}")
     return ranks.index(root)
 
+
+def _comm_device(group):
+    """Where a scratch tensor for this group must live: NCCL moves only GPU memory."""
+    if _initialized() and dist.get_backend(_world(group)) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def new_group(ranks):
+    """A group of some global ranks: -> the group on its members, None on the other ranks.
+    Every rank of the world must call it, members or not, with the same ranks and in the
+    same order as the others (torch.distributed numbers groups by creation, and on NCCL
+    creating one splits the world's communicator, a collective over all ranks)."""
+    ranks = sorted(ranks)
+    _check(len(set(ranks)) == len(ranks) and all(0 <= r < get_world_size() for r in ranks),
+           f"new_group: {ranks} are not distinct ranks of a world of {get_world_size()}")
+    if not _initialized():
+        return None  # one rank, so the group is the whole world
+    _drain()  # the split must not interleave with our worker's messages on the world
+    group = dist.new_group(ranks)
+    if get_rank() not in ranks:
+        return None
+    # Create the communicator now, with every member present. Before torch 2.5 NCCL members
+    # made it lazily on first use while non-members split eagerly, and a pipeline of 3+
+    # stages hung: the non-members waited in the split for members that were waiting on them.
+    barrier(group)
+    return group
+
 # ----------------------------------------------------------------------------- byte accounting
 
-_bytes = defaultdict(int)  # op name -> payload bytes this rank has sent
+# Written by whichever thread runs an op (the async worker, often) and read by the main
+# thread: all access under _lock, or sum() over a dict that just grew a key raises.
+_lock = threading.Lock()
+_bytes = defaultdict(int)        # op name -> payload bytes this rank has sent
+_group_bytes = defaultdict(int)  # the group's global ranks, as a tuple -> payload bytes sent on it
 _untracked_depth = 0
-_charge_to = None          # name of the op now running, None if untracked (one op runs at a time)
+_running = threading.local()     # .op = (name, tracked) of the op this thread runs now
 
 
-def bytes_sent():
-    return sum(_bytes.values())
+def bytes_sent(group=None):
+    """Payload bytes this rank has sent: in all, or only on `group` (a group or a tuple of
+    its global ranks; dist.group.WORLD is the world's own traffic, not the total)."""
+    key = None if group is None else tuple(group) if isinstance(group, (tuple, list)) else tuple(group_ranks(group))
+    with _lock:
+        return sum(_bytes.values()) if key is None else _group_bytes.get(key, 0)
 
 
 def bytes_by_op():
-    return dict(_bytes)
+    with _lock:
+        return dict(_bytes)
+
+
+def bytes_by_group():
+    """-> {tuple of the group's global ranks: payload bytes this rank sent on that group}."""
+    with _lock:
+        return dict(_group_bytes)
 
 
 def reset_bytes():
-    _bytes.clear()
+    with _lock:
+        _bytes.clear()
+        _group_bytes.clear()
 
 
 @contextlib.contextmanager
@@ -129,30 +223,63 @@ def untracked():
 # blocks). NCCL has no tags: messages between two ranks match in posting order, and both
 # sides of every algorithm here post in the same order. The first p2p call on a group
 # must involve all its ranks unless the communicator exists already (init_distributed
-# creates it eagerly). work.wait() on NCCL makes the current stream wait for the transfer
-# instead of blocking the CPU, so a then() that reduces is ordered after its receive.
+# and new_group create it eagerly). work.wait() on NCCL makes the current stream wait for
+# the transfer instead of blocking the CPU, so a then() that reduces is ordered after its
+# receive.
 
-def _post(step, group):
+class CommError(RuntimeError):
+    """Waiting for a peer, or posting to it, failed (a timeout, a peer gone). The message
+    names the op, the group, this rank and the peers of the messages it was waiting for.
+    The group is unusable afterwards: messages still posted would match the next op's."""
+
+
+def _post(step, group, ranks):
+    """-> (works, (kind, peer, bytes) of each posted message, in the order of the works)."""
     sends, recvs, _ = step
-    ops = [dist.P2POp(dist.irecv, t, peer, group) for t, peer in recvs if t.numel()]
-    ops += [dist.P2POp(dist.isend, t, peer, group) for t, peer in sends if t.numel()]
-    if _charge_to is not None:
-        _bytes[_charge_to] += sum(t.numel() * t.element_size() for t, _ in sends)
-    return dist.batch_isend_irecv(ops) if ops else []
+    posted = [("recv", peer, t) for t, peer in recvs if t.numel()]
+    posted += [("send", peer, t) for t, peer in sends if t.numel()]
+    name, tracked = _running.op
+    if tracked:
+        sent = sum(t.numel() * t.element_size() for t, _ in sends)
+        with _lock:
+            _bytes[name] += sent
+            _group_bytes[tuple(ranks)] += sent
+    messages = [(kind, peer, t.numel() * t.element_size()) for kind, peer, t in posted]
+    try:  # gloo refuses to post to a peer it already gave up on (a closed pair)
+        ops = [dist.P2POp(dist.irecv if kind == "recv" else dist.isend, t, peer, _world(group))
+               for kind, peer, t in posted]
+        return (dist.batch_isend_irecv(ops) if ops else []), messages
+    except RuntimeError as e:
+        raise _comm_error(e, messages, ranks, "failed posting to") from e
+
+
+def _comm_error(e, messages, ranks, doing):
+    peers = ", ".join(f"rank {peer} ({kind} {nbytes} bytes)" for kind, peer, nbytes in messages)
+    first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    return CommError(f"rank {get_rank()}: {_running.op[0]} on ranks {ranks} {doing} {peers}: {first}")
 
 
 def _run(steps, group, depth=1):
     """Run the steps in order with up to `depth` of them posted: step i's then() runs while
     steps i+1.. are already moving. So a step may only send what a then() at least `depth`
     steps earlier produced (the rings keep depth <= segments per chunk to guarantee it)."""
-    posted = deque(_post(steps[i], group) for i in range(min(depth, len(steps))))
+    ranks = group_ranks(group)
+    posted = deque(_post(steps[i], group, ranks) for i in range(min(depth, len(steps))))
     for i, (_, _, then) in enumerate(steps):
-        for work in posted.popleft():
-            work.wait()
+        works, messages = posted.popleft()
+        for j, work in enumerate(works):
+            try:
+                work.wait()
+            except RuntimeError as e:
+                # gloo returns a work per message, so the messages from the failed one on are
+                # still awaited; NCCL returns one work for the whole step: all of them are
+                awaited = messages[j:] if len(works) == len(messages) else messages
+                timeout = "timed out" in str(e).lower() or "timeout" in str(e).lower()
+                raise _comm_error(e, awaited, ranks, ("timed out" if timeout else "failed") + " waiting for") from e
         if then is not None:
             then()
         if i + depth < len(steps):
-            posted.append(_post(steps[i + depth], group))
+            posted.append(_post(steps[i + depth], group, ranks))
 
 
 def _pieces(t, parts):
@@ -271,6 +398,10 @@ def _gather_step(pieces, mine, root, me, ranks):
 # worker runs the op on a side stream that first waits for an event recorded on the
 # caller's stream (so it sees finished inputs); wait() makes the caller's current stream
 # wait for an event recorded after the op: ordered on the GPU, the CPU does not block.
+# As with torch.distributed, an async op's tensors are the op's until wait(): on gloo the
+# worker reads the input whenever it gets to it, so the caller must not change it before.
+# Never call torch.distributed itself on a group while an op of ours may be queued: the
+# two threads would put their messages on the wire in a different order on each rank.
 
 class Handle:
     def __init__(self, fn, device):
@@ -289,16 +420,21 @@ class Handle:
         return True
 
 
-_lock, _queue, _worker, _pending = threading.Lock(), None, None, 0
+_queue, _worker, _pending = None, None, 0  # _pending: ops queued or running on the worker, under _lock
 
 
 def _execute(name, tracked, fn):
-    global _charge_to
-    _charge_to = name if tracked else None
+    # The op's name is kept even when untracked, for CommError. Thread-local, as the worker
+    # and the caller each run ops (never at once: a sync op runs inline only when none is
+    # queued). no_grad: grad mode is per thread, and without it a sync op queued behind async
+    # ones (so run by the worker, where grad mode is on) would record autograd history on
+    # tensors that require grad, and the same op run inline under no_grad would not.
+    _running.op = (name, tracked)
     try:
-        fn()
+        with torch.no_grad():
+            return fn()
     finally:
-        _charge_to = None
+        _running.op = None
 
 
 def _work_loop(q):
@@ -325,15 +461,18 @@ def _work_loop(q):
         handle._done.set()
 
 
-def _stop_worker():
+def _stop_worker(timeout=None):
+    """Let the worker finish what is queued, then end it. No timeout (shutdown): it must be
+    gone before anything runs inline, or its last ops and those would be on the wire at once."""
     global _queue, _worker
     if _worker is not None:
         _queue.put(None)  # after everything queued before it
-        _worker.join(timeout=10)
-    _queue, _worker = None, None
+        _worker.join(timeout)
+    with _lock:
+        _queue, _worker = None, None
 
 
-atexit.register(_stop_worker)
+atexit.register(_stop_worker, 10)
 
 
 def _launch(name, fn, async_op, device):
@@ -344,21 +483,27 @@ def _launch(name, fn, async_op, device):
         inline = not async_op and _pending == 0
         if not inline:
             _pending += 1
+            if _worker is None:  # under the lock: two issuing threads must not start two workers
+                _queue = queue.Queue()
+                _worker = threading.Thread(target=_work_loop, args=(_queue,), daemon=True, name="collectives")
+                _worker.start()
+            q = _queue
     if inline:
         return _execute(name, tracked, fn)
-    if _worker is None:
-        _queue = queue.Queue()
-        _worker = threading.Thread(target=_work_loop, args=(_queue,), daemon=True, name="collectives")
-        _worker.start()
     ready = None
     if device.type == "cuda":
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(device))
     handle = Handle(fn, device)
-    _queue.put((name, tracked, fn, device, ready, handle))
+    q.put((name, tracked, fn, device, ready, handle))
     if async_op:
         return handle
     handle.wait()
+
+
+def _drain():
+    """Return once the worker has run everything queued: a sync no-op never overtakes."""
+    _launch("drain", lambda: None, False, torch.device("cpu"))
 
 # ----------------------------------------------------------------------------- argument checks
 
@@ -544,57 +689,101 @@ def gather(output, input, dst, group=None, async_op=False):
     return _launch("gather", fn, async_op, input.device)
 
 
-def all_to_all(output, input, group=None, async_op=False):
-    """As dist.all_to_all_single with equal splits: piece i of input goes to rank i. Pairwise
-    exchange: in step k rank r sends to r+k and receives from r-k, so every rank has one
-    partner each way per step and no link is oversubscribed: (N-1)(alpha + S/N/beta).
-    The steps are independent, so all of them go on the wire at once."""
+def _rows(t):
+    return t.shape[0] if t.dim() else 1
+
+
+def _split_sizes(sizes, t, n, what):
+    """-> the rows of t going to (input) or coming from (output) each rank, checked."""
+    if sizes is None:
+        _check(_rows(t) % n == 0, f"all_to_all: dim 0 of the {what} ({_rows(t)}) does not split equally into {n} ranks")
+        return [_rows(t) // n] * n
+    try:
+        sizes = [operator.index(s) for s in sizes]
+    except TypeError:
+        raise ValueError(f"all_to_all: {what}_split_sizes must be whole numbers, got {sizes}") from None
+    _check(len(sizes) == n, f"all_to_all: {what}_split_sizes has {len(sizes)} entries for {n} ranks")
+    _check(min(sizes) >= 0, f"all_to_all: negative {what}_split_sizes {sizes}")
+    _check(sum(sizes) == _rows(t), f"all_to_all: {what}_split_sizes {sizes} do not add up to dim 0 ({_rows(t)})")
+    return sizes
+
+
+def _row_pieces(flat, sizes, row):
+    """Cut flat into consecutive views of sizes[i] rows of `row` elements."""
+    ends = [0]
+    for s in sizes:
+        ends.append(ends[-1] + s * row)
+    return [flat[ends[i]:ends[i + 1]] for i in range(len(sizes))]
+
+
+def all_to_all(output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):
+    """As dist.all_to_all_single: input's dim 0 is cut into input_split_sizes[i] rows for rank
+    i (None: N equal parts), and what rank j sends lands in output's part j, cut the same way
+    by output_split_sizes. The rows rank i sends rank j must be the rows rank j expects from
+    rank i: checking that would cost a message, so a mismatch times out (CommError).
+    Pairwise exchange: in step k rank r sends to r+k and receives from r-k, so every rank has
+    one partner each way per step and no link is oversubscribed: (N-1)(alpha + S/N/beta) for
+    equal splits. The steps are independent, so all of them go on the wire at once."""
     me, n, ranks = _members(group)
-    _check_pair(output, input, output.numel(), input.numel(), "all_to_all")
-    _check(input.numel() % n == 0, f"all_to_all: {input.numel()} elements do not split into {n} ranks")
+    _check(output.dtype == input.dtype, f"all_to_all: output dtype {output.dtype} != input dtype {input.dtype}")
+    _check(output.device == input.device, "all_to_all: output and input are on different devices")
+    _check(output.shape[1:] == input.shape[1:],
+           f"all_to_all: rows of different shapes ({tuple(output.shape[1:])} vs {tuple(input.shape[1:])})")
+    outs = _split_sizes(output_split_sizes, output, n, "output")
+    ins = _split_sizes(input_split_sizes, input, n, "input")
+    _check(ins[me] == outs[me], f"all_to_all: this rank sends itself {ins[me]} rows but expects {outs[me]}")
+    row = math.prod(input.shape[1:])
 
     def fn():
         out = _flat(output)
-        ins, outs = _pieces(_flat(input), n), _pieces(out, n)
-        outs[me].copy_(ins[me])
-        _run([([(ins[(me + k) % n], ranks[(me + k) % n])], [(outs[(me - k) % n], ranks[(me - k) % n])], None)
-              for k in range(1, n)], group, n - 1)
+        send, recv = _row_pieces(_flat(input), ins, row), _row_pieces(out, outs, row)
+        recv[me].copy_(send[me])
+        # _post skips an empty piece; the peer's matching piece is empty too, so it skips the
+        # receive: no empty messages, and the two sides still pair up
+        _run([([(send[(me + k) % n], ranks[(me + k) % n])], [(recv[(me - k) % n], ranks[(me - k) % n])], None)
+              for k in range(1, n)], group, max(1, n - 1))
         _copy_back(output, out)
     return _launch("all_to_all", fn, async_op, input.device)
 
 
 def barrier(group=None):
-    """Nobody leaves before everybody has arrived: an untracked all_reduce of one element."""
-    if _initialized():
-        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
-        with untracked():
-            all_reduce(torch.zeros(1, device=device), group=group)
+    """Nobody leaves before everybody has arrived: a tree all_reduce of one element, untracked.
+    Every rank's result depends on every rank having sent, so it cannot finish early; on
+    NCCL the wait only orders the stream, and .item() is what blocks the CPU until then."""
+    if not _initialized():
+        return
+    me, n, ranks = _members(group)
+    t = torch.zeros(1, device=_comm_device(group))
+
+    def fn():
+        _run(_tree_reduce(t, 0, me, n, ranks, torch.add, t), group)
+        _run(_tree_broadcast(t, 0, me, n, ranks), group)
+    with untracked():
+        _launch("barrier", fn, False, t.device)
+    t.item()
 
 
 def gather_stats(values, group=None):
-    """A few numbers from every rank (loss, bytes sent, memory...) gathered to the
-    group's first rank for the log: a list of rows, one per rank, there; None elsewhere.
+    """A few numbers from every rank (loss, bytes sent, memory...) gathered to the group's
+    first rank for the log: values is {name: number}, the same names in the same order on
+    every rank. -> {name: [the value on each rank of the group]} there, None elsewhere.
     Bookkeeping, so its own traffic is not counted."""
+    _check(isinstance(values, dict), f"gather_stats: values must be {{name: number}}, not {type(values).__name__}")
     me, n, ranks = _members(group)
-    device = torch.device("cuda", torch.cuda.current_device()) if (
-        _initialized() and dist.get_backend(group) == "nccl") else torch.device("cpu")
-    mine = torch.tensor([float(v) for v in values], dtype=torch.float64, device=device)
-    rows = torch.empty(n * len(values), dtype=torch.float64, device=device) if me == 0 else None
+    names, device = list(values), _comm_device(group)
+    mine = torch.tensor([float(values[k]) for k in names], dtype=torch.float64, device=device)
+    rows = torch.empty(n * len(names), dtype=torch.float64, device=device) if me == 0 else None
     with untracked():
         gather(rows, mine, ranks[0], group)
-    return rows.view(n, -1).tolist() if me == 0 else None
+    return dict(zip(names, rows.view(n, len(names)).t().tolist())) if me == 0 else None
 
-# ----------------------------------------------------------------------------- for the pipeline
-# (appended by the pipeline parallel engineer: the one call pipeline_parallel.py needs
-# that the API above lacks)
 
 def sendrecv(send_tensor, dst, recv_tensor, src, group=None, async_op=False):
-    """Send send_tensor to dst and receive recv_tensor from src, both posted at once
-    (one batch_isend_irecv: one NCCL group call), as MPI_Sendrecv. Either may be None.
-    Why a pipeline needs it: two neighbours that each send to the other before
-    receiving deadlock with blocking send/recv (NCCL, and gloo for large messages,
-    hand a message over only once its receiver has posted); posting each rank's send
-    and receive together, then waiting for both, cannot."""
+    """The pipeline's primitive: send send_tensor to dst and receive recv_tensor from src,
+    both posted at once (one batch_isend_irecv: one NCCL group call), as MPI_Sendrecv.
+    Either may be None. Two neighbours that each send to the other before receiving deadlock
+    with blocking send/recv (NCCL, and gloo for large messages, hand a message over only once
+    its receiver has posted); posting each rank's send and receive together cannot."""
     me, n, ranks = _members(group)
     if send_tensor is not None:
         _check(_index_of(dst, ranks, "dst") != me, "sendrecv: never send to yourself")
@@ -611,100 +800,3 @@ def sendrecv(send_tensor, dst, recv_tensor, src, group=None, async_op=False):
             _copy_back(recv_tensor, flat)
     device = (send_tensor if send_tensor is not None else recv_tensor).device
     return _launch("sendrecv", fn, async_op, device)
-
-
-
-
-# ----------------------------------------------------------------------------- benchmark
-
-def _size(text):  # "64K" -> 65536
-    k = "KMG".find(text[-1].upper())
-    return int(float(text[:-1]) * 1024 ** (k + 1)) if k >= 0 else int(text)
-
-
-def _size_name(b):  # 65536 -> "64K"
-    for unit, shift in (("G", 30), ("M", 20), ("K", 10)):
-        if b >= 1 << shift and b % (1 << shift) == 0:
-            return f"{b >> shift}{unit}"
-    return str(b)
-
-
-def _cases(op, S, n, rank, device):
-    """-> (ours, built-in, busbw factor) for S bytes; S is the whole buffer, as in nccl-tests."""
-    full = torch.randn(max(n, S // 4 // n * n), device=device)
-    part, out, ring = torch.randn(full.numel() // n, device=device), torch.empty_like(full), (n - 1) / n
-    pieces = list(full.chunk(n)) if rank == 0 else None
-    return {"all_reduce": (lambda: all_reduce(full), lambda: dist.all_reduce(full), 2 * ring),
-            "reduce_scatter": (lambda: reduce_scatter(part, full),
-                               lambda: dist.reduce_scatter_tensor(part, full), ring),
-            "all_gather": (lambda: all_gather(full, part), lambda: dist.all_gather_into_tensor(full, part), ring),
-            "all_to_all": (lambda: all_to_all(out, full), lambda: dist.all_to_all_single(out, full), ring),
-            "broadcast": (lambda: broadcast(full, 0), lambda: dist.broadcast(full, 0), 1.0),
-            "reduce": (lambda: reduce(full, 0), lambda: dist.reduce(full, 0), 1.0),
-            "scatter": (lambda: scatter(part, full, 0), lambda: dist.scatter(part, pieces, src=0), ring),
-            "gather": (lambda: gather(full, part, 0), lambda: dist.gather(part, pieces, dst=0), ring)}[op]
-
-
-def _benchmark():
-    import argparse
-    import statistics
-    import time
-    import warnings
-    p = argparse.ArgumentParser(description="hand-written collectives against torch.distributed's own")
-    p.add_argument("--sizes", default="4K,64K,1M,16M,64M")
-    p.add_argument("--max_size", default="64M")
-    p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--ops", default="all_reduce,reduce_scatter,all_gather,all_to_all,broadcast,reduce,scatter,gather")
-    knobs = ("SMALL_ALL_REDUCE_BYTES", "LARGE_REDUCE_BYTES", "SEGMENT_BYTES", "PIPELINE_DEPTH")
-    for knob in knobs:  # --segment_bytes=4M and so on, to measure the choices above
-        p.add_argument("--" + knob.lower(), type=_size, default=globals()[knob])
-    args = p.parse_args()
-    globals().update({knob: getattr(args, knob.lower()) for knob in knobs})
-    warnings.filterwarnings("ignore", category=FutureWarning)  # all_gather_into_tensor & co. on torch >= 2.12
-    rank, n, _, device = init_distributed()
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    if rank == 0:
-        print(f"{n} ranks, {dist.get_backend() if _initialized() else 'no group'} on {device}; "
-              + ", ".join(f"{k.lower()}={globals()[k]}" for k in knobs))
-        print(f"time: median over {args.iters} runs of the slowest rank; algbw = S/time, busbw = algbw * "
-              "nccl-tests' factor, in GB/s")
-        print(f"{'op':<15}{'size':>5} |{'ours ms':>10}{'algbw':>8}{'busbw':>8} |{'builtin ms':>11}{'algbw':>8}"
-              f"{'busbw':>8} |{'ours/builtin':>13}")
-    for op in args.ops.split(","):
-        for S in [s for s in map(_size, args.sizes.split(",")) if s <= _size(args.max_size)]:
-            ours, builtin, factor = _cases(op, S, n, rank, device)
-            fns = {"ours": ours, "builtin": builtin}
-            try:
-                for _ in range(args.warmup):
-                    builtin()
-            except (RuntimeError, ValueError):  # a built-in this backend lacks: n/a
-                del fns["builtin"]
-            for _ in range(args.warmup):
-                ours()
-            times = {name: [] for name in fns}
-            for _ in range(args.iters):  # alternate the two, so drift in the machine's load hits both
-                for name, fn in fns.items():
-                    if _initialized():
-                        dist.barrier()
-                    sync()
-                    t0 = time.perf_counter()
-                    fn()
-                    sync()
-                    times[name].append(time.perf_counter() - t0)
-            med = {}
-            for name, ts in times.items():
-                t = torch.tensor(ts, dtype=torch.float64, device=device)
-                if _initialized():
-                    dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a collective takes as long as its slowest rank
-                med[name] = statistics.median(t.tolist())
-            if rank == 0:
-                cols = [f"{med[k] * 1e3:>{w}.3f}{S / med[k] / 1e9:>8.3f}{S / med[k] / 1e9 * factor:>8.3f}"
-                        if k in med else f"{'n/a':>{w + 16}}" for k, w in (("ours", 10), ("builtin", 11))]
-                ratio = f"{med['builtin'] / med['ours']:>13.2f}" if len(med) == 2 else f"{'n/a':>13}"
-                print(f"{op:<15}{_size_name(S):>5} |{cols[0]} |{cols[1]} |{ratio}", flush=True)
-    shutdown()
-
-
-if __name__ == "__main__":
-    _benchmark()

@@ -1,0 +1,144 @@
+"""
+collectives.py's hand-written collectives against torch.distributed's own, in one run.
+
+    torchrun --nproc_per_node=4 bench/collectives_bench.py
+    torchrun --nproc_per_node=4 bench/collectives_bench.py --sizes=16M,64M --segment_bytes=1M
+
+S is the whole buffer, as in nccl-tests. time: the median over --iters runs of the slowest
+rank (a collective takes as long as its slowest rank); algbw = S/time; busbw = algbw times
+the op's factor from nccl-tests' PERFORMANCE.md (2(N-1)/N for all_reduce, (N-1)/N for
+reduce_scatter, all_gather and all_to_all, 1 for broadcast and reduce), so that every op's
+busbw can be held against the link's bandwidth. --small_all_reduce_bytes and the other
+knobs override collectives.py's, to measure its choices.
+"""
+import argparse
+import os
+import statistics
+import sys
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+import collectives as C  # noqa: E402
+
+OPS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "reduce", "scatter", "gather")
+KNOBS = ("SMALL_ALL_REDUCE_BYTES", "LARGE_REDUCE_BYTES", "SEGMENT_BYTES", "PIPELINE_DEPTH")
+
+
+def _size(text):  # "64K" -> 65536; a bad value is argparse's one-line error, not a traceback
+    t = text.strip().upper()
+    scale = 1024 ** ("KMG".index(t[-1]) + 1) if t and t[-1] in "KMG" else 1
+    try:
+        b = int(float(t[:-1] if scale > 1 else t) * scale)
+    except (ValueError, OverflowError):
+        b = -1
+    if b < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (bytes, or with K, M or G: 4096, 64K, 1.5M)")
+    return b
+
+
+def _sizes(text):
+    return [_size(s) for s in text.split(",")]
+
+
+def _ops(text):
+    ops = text.split(",")
+    bad = [op for op in ops if op not in OPS]
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown op {bad[0]!r}: choose from {','.join(OPS)}")
+    return ops
+
+
+def _count(text):
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of at least 1")
+    return int(text)
+
+
+def _size_name(b):  # 65536 -> "64K"
+    for unit, shift in (("G", 30), ("M", 20), ("K", 10)):
+        if b >= 1 << shift and b % (1 << shift) == 0:
+            return f"{b >> shift}{unit}"
+    return str(b)
+
+
+def _cases(op, S, n, rank, device):
+    """-> (ours, built-in, busbw factor) for S bytes; S is the whole buffer, as in nccl-tests."""
+    full = torch.randn(max(n, S // 4 // n * n), device=device)
+    part, out, ring = torch.randn(full.numel() // n, device=device), torch.empty_like(full), (n - 1) / n
+    pieces = list(full.chunk(n)) if rank == 0 else None
+    return {"all_reduce": (lambda: C.all_reduce(full), lambda: dist.all_reduce(full), 2 * ring),
+            "reduce_scatter": (lambda: C.reduce_scatter(part, full),
+                               lambda: dist.reduce_scatter_tensor(part, full), ring),
+            "all_gather": (lambda: C.all_gather(full, part), lambda: dist.all_gather_into_tensor(full, part), ring),
+            "all_to_all": (lambda: C.all_to_all(out, full), lambda: dist.all_to_all_single(out, full), ring),
+            "broadcast": (lambda: C.broadcast(full, 0), lambda: dist.broadcast(full, 0), 1.0),
+            "reduce": (lambda: C.reduce(full, 0), lambda: dist.reduce(full, 0), 1.0),
+            "scatter": (lambda: C.scatter(part, full, 0), lambda: dist.scatter(part, pieces, src=0), ring),
+            "gather": (lambda: C.gather(full, part, 0), lambda: dist.gather(part, pieces, dst=0), ring)}[op]
+
+
+def main():
+    p = argparse.ArgumentParser(description="hand-written collectives against torch.distributed's own")
+    p.add_argument("--sizes", type=_sizes, default="4K,64K,1M,16M,64M")
+    p.add_argument("--max_size", type=_size, default="64M")
+    p.add_argument("--iters", type=_count, default=10)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--ops", type=_ops, default=",".join(OPS))
+    for knob in KNOBS:  # --segment_bytes=4M and so on, to measure the choices in collectives.py
+        p.add_argument("--" + knob.lower(), type=_count if knob == "PIPELINE_DEPTH" else _size,
+                       default=getattr(C, knob))
+    args = p.parse_args()  # before any process group: a bad flag fails every rank at once
+    for knob in KNOBS:
+        setattr(C, knob, getattr(args, knob.lower()))
+    warnings.filterwarnings("ignore", category=FutureWarning)  # all_gather_into_tensor & co. on torch >= 2.12
+    rank, n, _, device = C.init_distributed()
+    grouped = dist.is_available() and dist.is_initialized()
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    if rank == 0:
+        print(f"{n} ranks, {dist.get_backend() if grouped else 'no group'} on {device}; "
+              + ", ".join(f"{k.lower()}={getattr(C, k)}" for k in KNOBS))
+        print(f"time: median over {args.iters} runs of the slowest rank; algbw = S/time, busbw = algbw * "
+              "nccl-tests' factor, in GB/s")
+        print(f"{'op':<15}{'size':>5} |{'ours ms':>10}{'algbw':>8}{'busbw':>8} |{'builtin ms':>11}{'algbw':>8}"
+              f"{'busbw':>8} |{'ours/builtin':>13}")
+    for op in args.ops:
+        for S in [s for s in args.sizes if s <= args.max_size]:
+            ours, builtin, factor = _cases(op, S, n, rank, device)
+            fns = {"ours": ours, "builtin": builtin}
+            try:
+                for _ in range(args.warmup):
+                    builtin()
+            except (RuntimeError, ValueError):  # a built-in this backend lacks: n/a
+                del fns["builtin"]
+            for _ in range(args.warmup):
+                ours()
+            times = {name: [] for name in fns}
+            for _ in range(args.iters):  # alternate the two, so drift in the machine's load hits both
+                for name, fn in fns.items():
+                    C.barrier()
+                    sync()
+                    t0 = time.perf_counter()
+                    fn()
+                    sync()
+                    times[name].append(time.perf_counter() - t0)
+            med = {}
+            for name, ts in times.items():
+                t = torch.tensor(ts, dtype=torch.float64, device=device)
+                if grouped:
+                    dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a collective takes as long as its slowest rank
+                med[name] = statistics.median(t.tolist())
+            if rank == 0:
+                cols = [f"{med[k] * 1e3:>{w}.3f}{S / med[k] / 1e9:>8.3f}{S / med[k] / 1e9 * factor:>8.3f}"
+                        if k in med else f"{'n/a':>{w + 16}}" for k, w in (("ours", 10), ("builtin", 11))]
+                ratio = f"{med['builtin'] / med['ours']:>13.2f}" if len(med) == 2 else f"{'n/a':>13}"
+                print(f"{op:<15}{_size_name(S):>5} |{cols[0]} |{cols[1]} |{ratio}", flush=True)
+    C.shutdown()
+
+
+if __name__ == "__main__":
+    main()
