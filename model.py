@@ -9,9 +9,12 @@ The model is GPT-2 as nanoGPT writes it: pre-LayerNorm blocks, GELU MLP, causal
 self-attention through scaled_dot_product_attention (flash attention on a GPU),
 learned positions, and the token embedding tied to the output head.
 """
+import hashlib
 import json
 import math
 import os
+import re
+import shutil
 import sys
 import time
 from contextlib import nullcontext
@@ -22,6 +25,8 @@ import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+import collectives as C
 
 # -----------------------------------------------------------------------------
 # sizes
@@ -36,6 +41,11 @@ class GPTConfig:
     n_embd: int = 768
     dropout: float = 0.0
     bias: bool = True
+    # mixture of experts, off when n_expert is 0 (see "mixture of experts" below)
+    n_expert: int = 0              # experts of the MLP's shape in each block, in place of its MLP
+    top_k: int = 2                 # experts each token is sent to
+    capacity_factor: float = 0.0   # an expert takes at most ceil(cf·tokens·top_k/E) a micro-batch; 0: no limit
+    aux_loss_coef: float = 0.01    # weight of the load-balancing loss in the training objective
 
 
 PRESETS = {
@@ -96,7 +106,7 @@ class Block(nn.Module):
         self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.attn = CausalSelfAttention(config)
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
-        self.mlp = MLP(config)
+        self.mlp = MoE(config) if config.n_expert else MLP(config)
 
     def forward(self, x):
         x = x + self.attn(self.ln_1(x))
@@ -143,6 +153,216 @@ def head(ln_f, weight, x, targets=None):
 
 
 # -----------------------------------------------------------------------------
+# mixture of experts (--n_expert=E; off by default, and then nothing here runs)
+#
+# Each block's MLP becomes E experts, each an MLP of the same shape, and a router
+# that sends every token to k of them; the block adds the chosen experts' outputs,
+# weighted by the router. The parameters grow E-fold, a token's compute k-fold.
+# The choices, and whose they are:
+#   router    a linear map h -> E logits, no bias; it and its softmax in float32
+#             whatever the autocast dtype (the Switch Transformer, Fedus et al.
+#             2021: "selective precision", bf16 rounding would flip choices)
+#   top-k     each token goes to its top_k experts (Switch: 1; GShard, Lepikhin et
+#             al. 2020, and Mixtral, Jiang et al. 2024: 2), weighted by their
+#             probabilities renormalized to sum to 1 (GShard's top-2 gates; Mixtral's
+#             softmax over the top-k logits is the same numbers). With top_k = 1 the
+#             weight is the probability itself, as in Switch: renormalized it would
+#             be 1, and the router would learn from the balance loss alone
+#   capacity  --capacity_factor=cf: an expert takes at most ceil(cf·tokens·k/E)
+#             choices of a micro-batch, tokens counting the whole global micro-batch
+#             (every data parallel rank's rows). The others skip that expert: its
+#             output for them is 0, and the residual carries the token on (Switch,
+#             GShard). Who is dropped is GShard's rule on the global order: every
+#             first choice before any second choice, and within a choice rank, the
+#             tokens in the global batch's order (rank 0's rows, then rank 1's...),
+#             so that one process and N ranks drop the same ones. 0: no limit
+#   balance   Switch's load-balancing loss E·Σ_e f_e·P_e, f_e the share of the
+#             choices that went to expert e (before any drop; no gradient), P_e its
+#             mean router probability (the gradient's path), computed per sequence
+#             and averaged, as DeepSeek-V3's sequence-wise balance loss (DeepSeek-AI
+#             2024): then it is the same however the batch is split over ranks, and
+#             costs no message. 1 when balanced, up to E/k when every token makes
+#             the same choices. The objective adds aux_loss_coef (Switch: 0.01) ×
+#             its mean over the layers; the logged `loss` stays the cross-entropy
+#             (comparable with a dense run), `aux_loss` is that mean
+#   experts   stacked tensors, c_fc (E, 4h, h) and c_proj (E, h, 4h) with biases
+#             (E, 4h) and (E, h): an expert parallel rank holds the plain slice
+#             [start, stop) of dim 0, and a checkpoint stores it as one.
+# Routing is data-dependent: how many rows each expert gets is read to the host
+# once per layer (as every MoE implementation does, to size the expert matmuls).
+
+
+class ExpertLinear(nn.Module):
+    """n linear maps of one shape, stacked: weight (n, out, in), bias (n, out)."""
+
+    def __init__(self, n, fan_in, fan_out, bias=True):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(n, fan_out, fan_in))
+        self.bias = nn.Parameter(torch.empty(n, fan_out)) if bias else None
+
+    def forward(self, x, e):
+        return F.linear(x, self.weight[e], None if self.bias is None else self.bias[e])
+
+
+class Experts(nn.Module):
+    """n experts, each an MLP of the dense block's shape."""
+
+    def __init__(self, config, n):
+        super().__init__()
+        self.c_fc = ExpertLinear(n, config.n_embd, 4 * config.n_embd, config.bias)
+        self.c_proj = ExpertLinear(n, 4 * config.n_embd, config.n_embd, config.bias)
+        self.dropout = config.dropout
+
+    def forward(self, x, sizes):
+        """x holds sizes[0] rows for expert 0, then sizes[1] for expert 1, ... Every expert
+        runs, even on no rows, so each gets a gradient every step (DDP's hooks wait for it)."""
+        out = [self.c_proj(F.gelu(self.c_fc(rows, e), approximate="tanh"), e) for e, rows in enumerate(x.split(sizes))]
+        return F.dropout(torch.cat(out), self.dropout, self.training)
+
+
+def route(router, x, top_k):
+    """-> (probs (n, E), weights (n, k), chosen (n, k)): the router's softmax in float32,
+    each token's top_k experts and their weights (renormalized when k > 1)."""
+    with torch.autocast(x.device.type, enabled=False):
+        probs = F.softmax(F.linear(x.float(), router.weight.float()), dim=-1)
+    weights, chosen = probs.topk(top_k, dim=-1)
+    if top_k > 1:
+        weights = weights / weights.sum(-1, keepdim=True)
+    return probs, weights, chosen
+
+
+def balance_loss(probs, chosen):
+    """E·Σ_e f_e·P_e per sequence, averaged over the sequences. probs (B, T, E), chosen (B, T, k)."""
+    B, T, E = probs.shape
+    choices = chosen.reshape(B, -1)
+    f = torch.zeros(B, E, device=probs.device).scatter_add_(1, choices, torch.ones(choices.shape, device=probs.device))
+    return E * (f / choices.shape[1] * probs.mean(1)).sum(-1).mean()
+
+
+def choice_counts(chosen, n_expert):
+    """(E, k): how many tokens made expert e their s-th choice."""
+    return F.one_hot(chosen, n_expert).sum(0).t()
+
+
+def expert_capacity(config, tokens):
+    """The most choices an expert takes from a micro-batch of `tokens` tokens (every data
+    parallel rank's rows together); None: no limit."""
+    if not config.capacity_factor:
+        return None
+    return math.ceil(config.capacity_factor * tokens * config.top_k / config.n_expert)
+
+
+def ahead(table):
+    """table (N, E, k): the choices rank i's tokens made, by expert and choice rank. ->
+    (N, E, k): how many choices of expert e come before rank i's first (e, s) in the global
+    order (all first choices before any second, then rank 0's tokens, rank 1's, ...)."""
+    per_rank = table.sum(0)
+    return (per_rank.cumsum(1) - per_rank) + (table.cumsum(0) - table)
+
+
+def kept_counts(table, capacity):
+    """(N, E, k): how many of table's choices their experts keep under the capacity."""
+    return table if capacity is None else (capacity - ahead(table)).clamp(min=0).minimum(table)
+
+
+def keep_mask(chosen, ahead_mine, capacity):
+    """(n, k) bool, which of this rank's choices are kept, or None (all): those with
+    fewer than `capacity` choices of the same expert before them in the global order.
+    ahead_mine (E, k) is this rank's row of ahead()."""
+    if capacity is None:
+        return None
+    hot = F.one_hot(chosen, ahead_mine.shape[0])           # (n, k, E)
+    earlier = ((hot.cumsum(0) - hot) * hot).sum(-1)        # this rank's earlier tokens, same expert and choice rank
+    return earlier + ahead_mine[chosen, torch.arange(chosen.shape[1], device=chosen.device)] < capacity
+
+
+def by_expert(chosen, keep=None):
+    """The kept (token, choice) pairs as indices token·k + choice, grouped by expert and
+    in token order within each: the order the experts take their rows in."""
+    order = torch.argsort(chosen.reshape(-1), stable=True)
+    return order if keep is None else order[keep.reshape(-1)[order]]
+
+
+def scatter_choices(rows, order, shape):
+    """Expert outputs in by_expert order -> (n, k, C), zeros for the dropped choices."""
+    n, k = shape
+    return rows.new_zeros(n * k, rows.shape[-1]).index_copy(0, order, rows).view(n, k, -1)
+
+
+class MoE(nn.Module):
+    """The MLP's place in a block: the router and the experts. Here one process holds
+    every expert; expert_parallel.py's subclass replaces run_experts() with one that
+    sends each token to the rank holding its expert."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.router = nn.Linear(config.n_embd, config.n_expert, bias=False)
+        self.experts = Experts(config, config.n_expert)
+        self.aux = None  # this forward's balance loss, with its graph: moe_loss() adds it to the objective
+        self.tally = {}  # the training forwards' statistics, summed until moe_log() reads them
+
+    def forward(self, x):
+        B, T, C = x.shape
+        tokens = x.reshape(-1, C)
+        probs, weights, chosen = route(self.router, tokens, self.config.top_k)
+        self.aux = balance_loss(probs.view(B, T, -1), chosen.view(B, T, -1))
+        out, stats = self.run_experts(tokens, chosen)  # (n, k, C): each choice's expert output, 0 if dropped
+        y = (weights.unsqueeze(-1) * out).sum(1)
+        if self.training:
+            for name, v in dict(stats, aux_loss=self.aux.detach(), forwards=1).items():
+                self.tally[name] = self.tally.get(name, 0) + v
+        return y.view(B, T, C).to(x.dtype)
+
+    def run_experts(self, tokens, chosen):
+        """-> (the experts' outputs (n, k, C), stats). One process: every expert is here and
+        the micro-batch is all there is, so the global order is this one."""
+        table = choice_counts(chosen, self.config.n_expert)[None]  # (1, E, k)
+        capacity = expert_capacity(self.config, tokens.shape[0])
+        keep = keep_mask(chosen, ahead(table)[0], capacity)
+        kept = kept_counts(table, capacity)[0].sum(-1).cpu()  # per expert
+        sizes = kept.tolist()
+        order = by_expert(chosen, keep)
+        out = self.experts(tokens[order // chosen.shape[1]], sizes)
+        stats = dict(expert_tokens=kept, dropped_tokens=chosen.numel() - sum(sizes))
+        return scatter_choices(out, order, chosen.shape), stats
+
+
+def moe_layers(model):
+    return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+def moe_loss(model):
+    """The objective's balance term: aux_loss_coef × the mean over the MoE layers of this
+    forward's balance loss. 0.0 for a dense model (adding it changes nothing)."""
+    layers = moe_layers(model)
+    if not layers:
+        return 0.0
+    return layers[0].config.aux_loss_coef * torch.stack([m.aux for m in layers]).mean()
+
+
+def moe_log(run, model):
+    """The step's mixture-of-experts numbers as end_iter keywords, one value per rank
+    ({} for a dense model): aux_loss (the balance loss's mean over layers and
+    micro-steps), dropped_tokens (choices dropped at capacity, summed over layers) and
+    what a strategy's layers count besides. Into rank 0's record: expert_tokens, the
+    choices each expert took from all ranks, summed over layers. Every rank calls it."""
+    total = {}
+    for m in moe_layers(model):
+        for name, v in m.tally.items():
+            total[name] = total.get(name, 0) + v
+        m.tally = {}
+    if not total:
+        return {}
+    per_expert, forwards = total.pop("expert_tokens").tolist(), total.pop("forwards")
+    rows = C.gather_stats({f"expert_{e}": n for e, n in enumerate(per_expert)})
+    if rows is not None:
+        run.record["expert_tokens"] = [int(sum(rows[f"expert_{e}"])) for e in range(len(per_expert))]
+    total["aux_loss"] = total["aux_loss"] / forwards
+    return {name: float(v) for name, v in total.items()}
+
+
+# -----------------------------------------------------------------------------
 # init, one unit at a time
 #
 # The model is cut into units: "embed" (token and position embeddings), blocks
@@ -185,12 +405,15 @@ def build_unit(config, unit, seed):
     return m
 
 
-def make_config(name, vocab_size=50257, block_size=0, dropout=0.0):
+def make_config(name, vocab_size=50257, block_size=0, dropout=0.0, n_expert=0, top_k=2, capacity_factor=0.0,
+                aux_loss_coef=0.01):
     if name not in PRESETS:
         die(f"unknown --model {name!r}; choose one of {', '.join(PRESETS)}")
     cfg = dict(PRESETS[name], vocab_size=pad_vocab(vocab_size), dropout=dropout)
     if block_size:
         cfg["block_size"] = block_size
+    if n_expert:  # a dense model keeps the defaults, so its config (and checkpoints) are what they always were
+        cfg.update(n_expert=n_expert, top_k=top_k, capacity_factor=capacity_factor, aux_loss_coef=aux_loss_coef)
     return GPTConfig(**cfg)
 
 
@@ -204,8 +427,25 @@ def param_count(config):
     matrix once): per block 12·C² weights plus 13·C biases and norms."""
     C = config.n_embd
     per_block = 12 * C * C + (13 * C if config.bias else 2 * C)  # without biases: the two norms' weights
+    per_block += mlp_params(config, config.n_expert) - mlp_params(config, 0)  # a mixture of experts' MLPs
     ln_f = 2 * C if config.bias else C
     return (config.vocab_size + config.block_size) * C + config.n_layer * per_block + ln_f
+
+
+def mlp_params(config, experts):
+    """A block's MLP (experts = 0), or `experts` of a mixture's experts and its router."""
+    C = config.n_embd
+    mlp = 8 * C * C + (5 * C if config.bias else 0)
+    return experts * mlp + config.n_expert * C if experts else mlp
+
+
+def active_params(config):
+    """The parameters a token passes through, for the FLOP count: all of them in the
+    dense GPT; with a mixture of experts, top_k experts a block and the router."""
+    if not config.n_expert:
+        return param_count(config)
+    return param_count(config) - config.n_layer * (mlp_params(config, config.n_expert)
+                                                   - mlp_params(config, config.top_k))
 
 
 def tensor_bytes(tensors):
@@ -220,34 +460,90 @@ def optimizer_state_bytes(optimizer):
 # -----------------------------------------------------------------------------
 # data: nanoGPT's uint16 token files and the one sampler every strategy uses
 
+GPT2_VOCAB = 50257
+
 
 def load_data(data_dir):
-    """(train tokens, val tokens, vocab size). The arrays are memory-mapped."""
-    paths = [os.path.join(data_dir, f"{s}.bin") for s in ("train", "val")]
-    for p in paths:
+    """(train tokens, val tokens, vocab size), memory-mapped, after checking that the
+    folder is what it claims to be: whole uint16 files, not empty, and no token id
+    beyond the vocabulary (a strategy that looks up an id outside its embedding
+    either crashes or, split by vocabulary, silently trains on zeros)."""
+    paths = {s: os.path.join(data_dir, f"{s}.bin") for s in ("train", "val")}
+    for p in paths.values():
         if not os.path.exists(p):
-            die(f"no {p}: run `python data/prepare.py` first, or pass --data_dir=FOLDER with train.bin and val.bin")
-    vocab_size = 50257  # GPT-2's, unless a metadata file says otherwise
-    meta = os.path.join(data_dir, "meta.json")
-    if os.path.exists(meta):
-        with open(meta) as f:
-            vocab_size = json.load(f).get("vocab_size", vocab_size)
-    train, val = (np.memmap(p, dtype=np.uint16, mode="r") for p in paths)
-    return train, val, vocab_size
+            die(f"no {p}: run `python data/prepare.py` first, or pass --data_dir=FOLDER with train.bin and val.bin",
+                scope="node")
+    meta = read_meta(os.path.join(data_dir, "meta.json"))
+    vocab_size = meta.get("vocab_size", GPT2_VOCAB)
+    splits = {}
+    for s, p in paths.items():
+        size = os.path.getsize(p)
+        if size == 0 or size % 2:
+            die(f"{p} has {size} bytes: not a whole number of uint16 tokens" if size else f"{p} is empty",
+                scope="node")
+        splits[s] = np.memmap(p, dtype=np.uint16, mode="r")
+        # prepare.py records each split's size and largest id; trusted only if the size still matches
+        known = meta.get(f"{s}_tokens") == len(splits[s]) and isinstance(meta.get("max_token_id"), int)
+        top = meta["max_token_id"] if known else max_token(splits[s])
+        if top >= vocab_size:
+            where = int(np.argmax(np.asarray(splits[s]) >= vocab_size)) if not known else None
+            die(f"{p} holds token id {top}" + (f" (first at position {where})" if where is not None else "")
+                + f", beyond the vocabulary of {vocab_size}" + (" given by meta.json" if "vocab_size" in meta else
+                                                                 " (GPT-2's; a meta.json with vocab_size says otherwise)"),
+                scope="node")
+    return splits["train"], splits["val"], vocab_size
+
+
+def read_meta(path):
+    """meta.json beside the data, optional: {} without one."""
+    if not os.path.exists(path):
+        return {}
+    try:
+        with open(path) as f:
+            meta = json.load(f)
+    except (OSError, ValueError) as e:
+        die(f"{path} is not valid JSON ({e})", scope="node")
+    if not isinstance(meta, dict):
+        die(f"{path} must hold a JSON object, not {type(meta).__name__}", scope="node")
+    v = meta.get("vocab_size", GPT2_VOCAB)
+    if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+        die(f"{path}: vocab_size must be a positive integer, not {v!r}", scope="node")
+    return meta
+
+
+def max_token(data, chunk=1 << 24):
+    """The largest id in a memory-mapped split, read in chunks (bounded memory)."""
+    return max(int(data[i:i + chunk].max()) for i in range(0, len(data), chunk))
 
 
 def get_batch(data, seed, step, batch_size, block_size, rows=None, split="train"):
     """The global batch of `step`: batch_size random windows of the token stream,
     drawn from a generator seeded by (seed, step, split), so every process, whatever
     the strategy or world size, sees the same rows. `rows` (a slice) returns only
-    part of it, e.g. a data parallel rank's share."""
-    if len(data) <= block_size + 1:
-        die(f"the data has {len(data)} tokens, too few for --block_size={block_size}")
+    part of it, e.g. a data parallel rank's share. A window is block_size + 1 tokens
+    (inputs and the targets one token later): any of the len - block_size starts."""
+    if len(data) < block_size + 1:
+        die(f"the {split} split has {len(data)} tokens, too few for --block_size={block_size} "
+            f"(a window needs {block_size + 1})")
     rng = np.random.default_rng([seed, step, 0 if split == "train" else 1])
-    ix = rng.integers(0, len(data) - block_size - 1, size=batch_size)
+    ix = rng.integers(0, len(data) - block_size, size=batch_size)
     ix = ix[rows] if rows is not None else ix
     x = torch.from_numpy(np.stack([data[i:i + block_size] for i in ix]).astype(np.int64))
     y = torch.from_numpy(np.stack([data[i + 1:i + 1 + block_size] for i in ix]).astype(np.int64))
+    return x, y
+
+
+def batch(run, step, split="train", micro_step=0, n_micro=1, dp_rank=0, dp_size=1):
+    """This rank's rows of the global batch of `step`, on its device. The batch is cut
+    into dp_size contiguous blocks, one per data parallel rank, and each block into
+    n_micro micro-batches (gradient accumulation, or a pipeline's micro-batches)."""
+    cfg = run.cfg
+    micro = cfg.batch_size // (dp_size * n_micro)
+    first = (dp_rank * n_micro + micro_step) * micro
+    x, y = get_batch(run.val if split == "val" else run.train, cfg.seed, step, cfg.batch_size, cfg.block_size,
+                     rows=slice(first, first + micro), split=split)
+    if run.device.type == "cuda":  # pinned, so the copy is asynchronous
+        return x.pin_memory().to(run.device, non_blocking=True), y.pin_memory().to(run.device, non_blocking=True)
     return x, y
 
 
@@ -266,8 +562,9 @@ def get_lr(it, cfg):
 
 
 def decays(name, p):
-    """nanoGPT's rule: weight matrices and embeddings decay; biases and norms don't."""
-    return p.dim() >= 2
+    """nanoGPT's rule: weight matrices and embeddings decay; biases and norms don't
+    (a mixture's stacked expert biases are 2-D, hence the name)."""
+    return p.dim() >= 2 and not name.endswith("bias")
 
 
 def make_optimizer(named_params, cfg, device):
@@ -297,30 +594,63 @@ def clip_coef(total_norm, max_norm):
 # FLOPs and MFU
 
 
-def flops_per_token(config, n_params):
+def flops_per_token(config, n_params=None):
     """6N for the matmuls' forward and backward, plus 12·L·H·Q·T for attention's
-    scores and weighted sum (the PaLM appendix form nanoGPT uses). N excludes the
-    position embedding, which is a lookup, not a matmul."""
+    scores and weighted sum (the PaLM paper's appendix B, as nanoGPT counts). N
+    excludes the position embedding, which is a lookup, not a matmul."""
+    n_params = param_count(config) if n_params is None else n_params
     N = n_params - config.block_size * config.n_embd
     L, H, Q, T = config.n_layer, config.n_head, config.n_embd // config.n_head, config.block_size
     return 6 * N + 12 * L * H * Q * T
 
 
-# dense bf16 peaks from the vendors' data sheets, matched against the device's name
-PEAK_FLOPS = [("H200", 989e12), ("H100", 989e12), ("GH200", 989e12), ("B200", 2250e12), ("A100", 312e12),
-              ("A10G", 125e12), ("L40S", 362e12), ("L4", 121e12), ("RTX 4090", 165e12),
-              ("RTX 3090", 71e12), ("V100", 125e12), ("T4", 65e12)]
+# Dense (no sparsity) peaks from the vendors' data sheets, in FLOP/s: (pattern matched
+# against torch.cuda.get_device_name, bf16/fp16 tensor cores, float32 as this project
+# runs it: TF32 tensor cores where the chip has them, else plain fp32). The first
+# pattern that matches wins, so the specific names come before the general ones
+# ("H100 PCIe" before "H100", "L40S" before "L40" before "L4").
+PEAK_FLOPS = [
+    (r"GH200|H200|H100.*(SXM|HBM3)", 989e12, 494e12),
+    (r"H100.*NVL", 835e12, 418e12),
+    (r"H100", 756e12, 378e12),  # the PCIe card; SXM parts name themselves above
+    (r"B200", 2250e12, 1100e12),
+    (r"A100", 312e12, 156e12),
+    (r"L40S", 362e12, 183e12),
+    (r"L40\b", 181e12, 90.5e12),
+    (r"\bL4\b", 121e12, 60e12),
+    (r"A10G", 70e12, 35e12),
+    (r"\bA10\b", 125e12, 62.5e12),
+    (r"RTX 4090", 165e12, 82.6e12),
+    (r"RTX 3090", 71e12, 35.6e12),
+    (r"V100", 125e12, 15.7e12),  # fp16 tensor cores; no bf16, no TF32
+    (r"\bT4\b", 65e12, 8.1e12),
+]
 
 
-def peak_flops(device, override=0.0):
-    """The device's peak FLOP/s from its name, or the override; None when unknown
-    (a CPU), in which case MFU is not reported."""
+def peak_flops(device, override=0.0, dtype="bfloat16"):
+    """The device's peak FLOP/s for this dtype from its name, or the override; None
+    when unknown (a CPU), in which case MFU is not reported."""
     if override:
         return override
     if torch.device(device).type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    return next((f for key, f in PEAK_FLOPS if key in name), None)
+    return device_peak(torch.cuda.get_device_name(device), dtype)
+
+
+def device_peak(name, dtype="bfloat16"):
+    for pattern, half, single in PEAK_FLOPS:
+        if re.search(pattern, name):
+            return half if dtype == "bfloat16" else single
+    return None
+
+
+def auto_dtype():
+    """bfloat16 where the GPU computes it natively (compute capability 8.0, Ampere, or
+    newer), else float32: torch.cuda.is_bf16_supported() also counts emulation, which
+    makes a V100 or a T4 slower in bf16 than in float32."""
+    if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 8:
+        return "bfloat16"
+    return "float32"
 
 
 # -----------------------------------------------------------------------------
@@ -343,21 +673,33 @@ TRAIN_DEFAULTS = dict(
     eval_iters=10,
     seed=1337,
     dropout=0.0,
-    dtype="auto",           # float32 | bfloat16 | auto (bfloat16 on a GPU that has it, else float32)
+    dtype="auto",           # float32 | bfloat16 | auto (bfloat16 on a GPU of compute capability >= 8, else float32)
     compile=False,
     log_file="",            # JSON lines, one per iteration, written by rank 0
     log_interval=1,         # print every this many iterations (the JSON log gets every one)
+    out_dir="",             # checkpoints go to out_dir/step_{k:06d}/ (off if empty)
+    ckpt_interval=0,        # save every this many iterations; 0: only at the end (with --out_dir)
+    keep_ckpts=2,           # how many of the newest checkpoints to keep
+    resume="",              # "" start afresh | latest (newest in --out_dir, or afresh) | a checkpoint folder
     save_path="",           # where rank 0 saves the final full state_dict (torch.save), if set
+    timeout_s=300,          # a collective that waits longer than this ends the run, naming whom it waited for
     peak_flops=0.0,         # overrides the device's peak for MFU
+    n_expert=0,             # mixture of experts: E experts in each MLP's place (0: dense); ddp.py, expert_parallel.py
+    top_k=2,                # experts each token goes to
+    capacity_factor=0.0,    # an expert takes at most ceil(cf·tokens·top_k/E) a micro-batch; 0: no limit
+    aux_loss_coef=0.01,     # weight of the load-balancing loss in the objective
 )
 
 
-def die(msg, code=2):
-    """Bad input ends the run with one line on stderr and a non-zero exit. Every rank
-    checks the same things before any communication, so every rank exits; only
-    rank 0 prints, so torchrun shows the line once."""
-    if os.environ.get("RANK", "0") == "0":
-        print(f"error: {msg}", file=sys.stderr, flush=True)
+def die(msg, code=2, scope="all"):
+    """Bad input ends the run with one line on stderr and a non-zero exit, never a hang.
+    scope says who sees the problem, so it is printed once: "all" (a flag: every rank
+    checks the same thing, rank 0 prints), "node" (a file: every rank of a machine sees
+    it, local rank 0 prints), "me" (this rank alone, which prints)."""
+    rank, local = os.environ.get("RANK", "0"), os.environ.get("LOCAL_RANK", "0")
+    if (scope == "all" and rank == "0") or (scope == "node" and local == "0") or scope == "me":
+        prefix = f"rank {rank}: " if rank != "0" and scope != "all" else ""
+        print(f"error: {prefix}{msg}", file=sys.stderr, flush=True)
     sys.exit(code)
 
 
@@ -393,43 +735,200 @@ def _typed(key, val, default):
         if val.lower() in ("false", "0", "no"):
             return False
         die(f"--{key} takes True or False, not {val!r}")
+    kind = {int: "an integer", float: "a number"}.get(type(default), "a string")
     try:
         return type(default)(val)
     except ValueError:
-        die(f"--{key} takes a {type(default).__name__}, not {val!r}")
+        die(f"--{key} takes {kind}, not {val!r}")
 
 
-def setup_run(cfg, device):
-    """Validate the common flags, seed, allow TF32, and return (model config,
-    train data, val data, autocast context)."""
+def check_flags(cfg):
+    """The common flags' values, checked on every rank before anything else happens."""
     if cfg.dtype == "auto":
-        cfg.dtype = "bfloat16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "float32"
+        cfg.dtype = auto_dtype()
     if cfg.dtype not in ("float32", "bfloat16"):
-        die(f"--dtype takes float32 or bfloat16, not {cfg.dtype!r}")
-    for k in ("batch_size", "max_iters"):
+        die(f"--dtype takes float32, bfloat16 or auto, not {cfg.dtype!r}")
+    for k in ("batch_size", "max_iters", "timeout_s"):
         if getattr(cfg, k) <= 0:
-            die(f"--{k} must be positive")
+            die(f"--{k} must be positive, not {getattr(cfg, k)}")
+    for k in ("block_size", "eval_interval", "ckpt_interval", "warmup_iters", "log_interval", "keep_ckpts"):
+        if getattr(cfg, k) < 0:
+            die(f"--{k} must be at least 0, not {getattr(cfg, k)}")
+    if cfg.eval_interval and cfg.eval_iters <= 0:
+        die(f"--eval_iters must be positive when --eval_interval is set (or pass --eval_interval=0)")
+    if not 0.0 <= cfg.dropout < 1.0:
+        die(f"--dropout must be in [0, 1), not {cfg.dropout}")
+    if cfg.resume and cfg.resume != "latest" and not os.path.isdir(cfg.resume):
+        die(f"--resume={cfg.resume}: no such checkpoint folder (or pass --resume=latest)")
+    if cfg.resume == "latest" and not cfg.out_dir:
+        die("--resume=latest needs --out_dir, where the checkpoints are")
+    if cfg.ckpt_interval and not cfg.out_dir:
+        die("--ckpt_interval needs --out_dir, where the checkpoints go")
+    # an output that cannot be written fails now, not after hours of training
+    for flag, path, is_dir in (("log_file", cfg.log_file, False), ("save_path", cfg.save_path, False),
+                               ("out_dir", cfg.out_dir, True)):
+        if path:
+            folder = path if is_dir else (os.path.dirname(os.path.abspath(path)))
+            try:
+                os.makedirs(folder, exist_ok=True)
+            except OSError as e:
+                die(f"--{flag}={path}: cannot create {folder} ({e.strerror})", scope="node")
+            if not os.access(folder, os.W_OK) or (not is_dir and os.path.isdir(path)):
+                die(f"--{flag}={path}: not writable", scope="node")
+
+
+# -----------------------------------------------------------------------------
+# the run: what every strategy file does around its own training step
+#
+#   run = M.start(cfg, "name")             process group, data, model config, device
+#   ... build the model, split it, make the optimizer ...
+#   M.restore(run, entries, optimizer)     resume from a checkpoint if --resume says so
+#   for it in range(run.start_iter, cfg.max_iters):
+#       M.begin_iter(run, it, evaluate)    validation when due, learning rate, clock
+#       ... the training step ...
+#       M.end_iter(run, loss=..., ...)     per-rank stats by name, the log, a checkpoint when due
+#   return M.finish(run)
+
+
+def start(cfg, strategy, moe=False):
+    """Check the common flags and the data, start the process group (with the
+    timeout), build the model's config, seed. Every rank checks the same things
+    before any communication, so bad input stops every rank at once. moe: whether
+    the strategy trains a mixture of experts (--n_expert); the others refuse it."""
+    check_flags(cfg)
+    check_moe(cfg, strategy, moe)
     train, val, vocab_size = load_data(cfg.data_dir)
-    config = make_config(cfg.model, vocab_size, cfg.block_size, cfg.dropout)
+    config = make_config(cfg.model, vocab_size, cfg.block_size, cfg.dropout,
+                         cfg.n_expert, cfg.top_k, cfg.capacity_factor, cfg.aux_loss_coef)
     cfg.block_size = config.block_size
+    for split, data in (("train", train), ("val", val)):
+        if len(data) < config.block_size + 1:
+            die(f"{os.path.join(cfg.data_dir, split + '.bin')} has {len(data)} tokens, too few for "
+                f"--block_size={config.block_size} (a window needs {config.block_size + 1})", scope="node")
+    rank, world, local_rank, device = C.init_distributed(timeout_s=cfg.timeout_s)
     torch.manual_seed(cfg.seed)
     torch.backends.cuda.matmul.allow_tf32 = True  # TF32 matmuls: ~free speed for float32 on Ampere+
     torch.backends.cudnn.allow_tf32 = True
-    device_type = torch.device(device).type
-    ctx = nullcontext() if cfg.dtype == "float32" else torch.autocast(device_type, dtype=torch.bfloat16)
-    return config, train, val, ctx
+    autocast = nullcontext() if cfg.dtype == "float32" else torch.autocast(device.type, dtype=torch.bfloat16)
+    return SimpleNamespace(cfg=cfg, strategy=strategy, rank=rank, world=world, local_rank=local_rank, device=device,
+                           config=config, vocab_size=vocab_size, train=train, val=val, autocast=autocast, start_iter=0, layout={},
+                           peak=peak_flops(device, cfg.peak_flops, cfg.dtype), log=None, record=None)
+
+
+def check_moe(cfg, strategy, moe):
+    """The mixture-of-experts flags: ranges, and whether this strategy trains one."""
+    if cfg.n_expert < 0:
+        die(f"--n_expert must be at least 0 (0: the dense model), not {cfg.n_expert}")
+    if cfg.capacity_factor < 0 or cfg.aux_loss_coef < 0:
+        die(f"--capacity_factor and --aux_loss_coef must be at least 0, not {cfg.capacity_factor} and "
+            f"{cfg.aux_loss_coef}")
+    if cfg.n_expert and not moe:
+        die(f"--n_expert: the {strategy} strategy does not train a mixture of experts; "
+            f"use ddp.py (replicated experts) or expert_parallel.py")
+    if cfg.n_expert and not 1 <= cfg.top_k <= cfg.n_expert:
+        die(f"--top_k must be between 1 and --n_expert={cfg.n_expert}, not {cfg.top_k}")
+
+
+def begin_iter(run, it, evaluate):
+    """Validation when due (before the step, as nanoGPT does), this iteration's
+    learning rate, a fresh byte counter, and the clock."""
+    cfg = run.cfg
+    run.record = {"iter": it}
+    if cfg.eval_interval and (it % cfg.eval_interval == 0 or it == cfg.max_iters - 1):
+        run.record["val_loss"] = evaluate()
+    run.record["lr"] = get_lr(it, cfg)
+    set_lr(run.optimizer, run.record["lr"])
+    C.reset_bytes()
+    run.t0 = now(run.device)
+
+
+def end_iter(run, loss, state_bytes, grad_norm=0.0, loss_ranks=None, axes=None, **per_rank):
+    """Stop the clock, save a checkpoint when one is due, gather every rank's numbers
+    by name to rank 0 and log them. loss: this rank's training loss of the step;
+    the logged loss is the mean over loss_ranks (default: all, for ranks that each
+    hold an equal share of the batch; a pipeline passes its last stage). axes: name
+    -> process group, to log the bytes sent on each (3-D parallelism). per_rank:
+    any other number, logged as a list by rank."""
+    cfg, it = run.cfg, run.record["iter"]
+    dt = elapsed(run.t0, now(run.device))
+    stats = dict(loss=float(loss), comm_bytes=C.bytes_sent(), state_bytes=state_bytes, **per_rank)
+    for name, group in (axes or {}).items():
+        stats[f"comm_bytes_{name}"] = C.bytes_sent(group)
+    if run.device.type == "cuda":
+        stats["peak_bytes"] = torch.cuda.max_memory_allocated(run.device)
+    if checkpoint_due(cfg, it + 1):
+        stats["ckpt_ms"], stats["ckpt_bytes"] = save_checkpoint(run, it + 1)
+    rows = C.gather_stats(stats)  # name -> one value per rank, on rank 0
+    if run.rank == 0:
+        tokens = cfg.batch_size * cfg.block_size
+        losses = [rows["loss"][r] for r in (loss_ranks if loss_ranks is not None else range(run.world))]
+        flops = flops_per_token(run.config, active_params(run.config)) * tokens
+        run.record.update(loss=sum(losses) / len(losses), grad_norm=float(grad_norm), dt_ms=1000 * dt,
+                          tokens_per_s=tokens / dt, mfu=flops / dt / (run.world * run.peak) if run.peak else None)
+        for name, values in rows.items():
+            if name != "loss":
+                run.record[name] = [int(v) if name.endswith("bytes") or float(v).is_integer() else v for v in values]
+    run.log(run.record)
+
+
+def finish(run):
+    """After the loop: the final full state_dict if --save_path asks for it, and the
+    process group torn down. -> the log records (rank 0; empty elsewhere)."""
+    if run.cfg.save_path:
+        save_full_state(run, run.cfg.save_path)
+    C.shutdown()
+    return run.log.records
+
+
+def now(device):
+    """A point on the device's timeline: a CUDA event recorded on the current stream
+    (the CPU does not wait), or the CPU's clock. Read two with elapsed(), once."""
+    if device.type == "cuda":
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+    return time.perf_counter()
+
+
+def elapsed(t0, t1):
+    """Seconds between two points from now(); on a GPU this waits for t1 to happen."""
+    if isinstance(t1, float):
+        return t1 - t0
+    t1.synchronize()
+    return t0.elapsed_time(t1) / 1000
+
+
+def main_guard(main):
+    """A strategy's command-line entry: a communication timeout or Ctrl-C ends the job
+    with one line, not a traceback from every rank."""
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        main()
+    except KeyboardInterrupt:
+        if rank == 0:
+            print("interrupted" + (f"; the last checkpoint is {_last_saved}" if _last_saved else ""),
+                  file=sys.stderr, flush=True)
+        os._exit(130)  # now: the other ranks are going too, so no collective may run at exit
+    except C.CommError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        os._exit(1)
 
 
 class Logger:
-    """Rank 0's log: one printed line per iteration in nanoGPT's manner, and one
-    JSON record per iteration in --log_file (the file is started afresh)."""
+    """Rank 0's log: one printed line per iteration in nanoGPT's manner, and one JSON
+    record per iteration in --log_file. A resumed run keeps the records before the
+    step it resumes from and drops the ones after (they will be written again)."""
 
-    def __init__(self, cfg, rank):
+    def __init__(self, cfg, rank, start_iter=0):
         self.active, self.path, self.every = rank == 0, cfg.log_file, cfg.log_interval
         self.records = []
         if self.active and self.path:
-            os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
-            open(self.path, "w").close()
+            kept = []
+            if start_iter and os.path.exists(self.path):
+                with open(self.path) as f:
+                    kept = [line for line in f if line.strip() and json.loads(line).get("iter", 0) < start_iter]
+            with open(self.path, "w") as f:
+                f.writelines(kept)
 
     def __call__(self, record):
         if not self.active:
@@ -446,11 +945,255 @@ class Logger:
             if record.get("mfu") is not None:
                 line += f", mfu {100 * record['mfu']:.1f}%"
             line += f", sent {max(record['comm_bytes']) / 1e6:.2f} MB/rank"
+            if "ckpt_ms" in record:
+                line += f", saved step_{record['iter'] + 1:06d} ({max(record['ckpt_bytes']) / 1e6:.1f} MB/rank, " \
+                        f"{max(record['ckpt_ms']):.0f} ms)"
             print(line, flush=True)
 
 
-def timer(device):
-    """time.time() that first waits for queued GPU work, so a step's time is real."""
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.time()
+# -----------------------------------------------------------------------------
+# checkpoints: every rank saves what it holds, any layout loads any other
+#
+# A strategy describes what it holds as entries (name, param, index, write): `param`
+# is a tensor the optimizer updates, holding the part `index` of the model's global
+# tensor `name` (a name of GPT(config).named_parameters()):
+#   None                 the whole tensor
+#   (dim, start, stop)   global.narrow(dim, start, stop - start)
+#   [(dim, a, b), ...]   those slices of one dim, concatenated (tensor parallel's q|k|v)
+#   ("flat", start, stop) global.view(-1)[start:stop], in any shape (FSDP's shards)
+# and `write` says whether this rank saves it (a replicated tensor is saved by one
+# rank). Adam's two moments have the parameter's layout and travel with it.
+#
+# {out_dir}/step_{k:06d}/ is the state after k optimizer steps: rank{r}.pt, a plain
+# dict of tensors (loaded with weights_only=True: nothing is unpickled but tensors),
+# and manifest.json, written last: strategy, world size, layout, step, the model's
+# config, every tensor's global shape, and per file its pieces, size and sha256. The
+# folder is written as step_k.tmp and renamed only when every rank is done, so a
+# crash mid-save never leaves a checkpoint that looks complete. Loading finds the
+# pieces of each global tensor, reading a stored piece directly when it is exactly
+# the slice needed, else assembling the tensor (one at a time) and cutting it.
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+_last_saved = ""
+
+
+def checkpoint_due(cfg, step):
+    return bool(cfg.out_dir) and ((cfg.ckpt_interval and step % cfg.ckpt_interval == 0) or step == cfg.max_iters)
+
+
+def global_shapes(config):
+    with torch.device("meta"):
+        return {n: list(p.shape) for n, p in GPT(config).named_parameters()}
+
+
+def _regions(index, param):
+    """[(global index of one piece, function: param-shaped tensor -> that piece's view)]."""
+    if isinstance(index, list):
+        dim, out, offset = index[0][0], [], 0
+        for d, a, b in index:
+            out.append(((d, a, b), lambda t, o=offset, n=b - a: t.narrow(dim, o, n)))
+            offset += b - a
+        return out
+    return [(tuple(index) if index is not None else None, lambda t: t)]
+
+
+def _cut(full, index):
+    if index is None:
+        return full
+    if index[0] == "flat":
+        return full.reshape(-1)[index[1]:index[2]]
+    dim, a, b = index
+    return full.narrow(dim, a, b - a)
+
+
+def save_checkpoint(run, step, folder=None):
+    """Every rank writes its pieces into one folder; rank 0 writes the manifest and
+    renames the folder into place. -> (milliseconds, bytes this rank wrote)."""
+    global _last_saved
+    t0 = time.perf_counter()
+    final = folder or os.path.join(run.cfg.out_dir, f"step_{step:06d}")
+    tmp = final + ".tmp"
+    if run.rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # the leftover of a crash
+        os.makedirs(tmp)
+    with C.untracked():
+        C.barrier()
+    tensors, pieces = {}, []
+    for name, param, index, write in run.entries:
+        if not write:
+            continue
+        state = run.optimizer.state.get(param, {})
+        for kind, t in [("param", param)] + [(m, state[m]) for m in MOMENTS if m in state]:
+            for where, view in _regions(index, param):
+                key = f"{kind}/{name}/{len(pieces)}"
+                tensors[key] = view(t.detach()).float().cpu().clone()
+                pieces.append(dict(key=key, kind=kind, name=name, index=where))
+    path = os.path.join(tmp, f"rank{run.rank:05d}.pt")
+    torch.save(tensors, path + ".part")
+    os.replace(path + ".part", path)
+    info = dict(file=os.path.basename(path), bytes=os.path.getsize(path), sha256=sha256(path), pieces=pieces)
+    with open(path + ".json", "w") as f:
+        json.dump(info, f)
+    with C.untracked():
+        C.barrier()  # every rank's file is complete
+    if run.rank == 0:
+        files = []
+        for r in range(run.world):
+            with open(os.path.join(tmp, f"rank{r:05d}.pt.json")) as f:
+                files.append(json.load(f))
+            os.remove(os.path.join(tmp, f"rank{r:05d}.pt.json"))
+        manifest = dict(format=1, strategy=run.strategy, world=run.world, layout=run.layout, step=step,
+                        model=asdict(run.config), vocab_size=run.vocab_size, shapes=global_shapes(run.config), files=files)
+        with open(os.path.join(tmp, "manifest.json"), "w") as f:
+            json.dump(manifest, f, indent=1)
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        if folder is None:
+            prune(run.cfg.out_dir, run.cfg.keep_ckpts)
+    _last_saved = final
+    return 1000 * (time.perf_counter() - t0), info["bytes"]
+
+
+def sha256(path):
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def checkpoints(out_dir):
+    """The complete checkpoints in out_dir, oldest first."""
+    if not os.path.isdir(out_dir):
+        return []
+    names = sorted(n for n in os.listdir(out_dir) if re.fullmatch(r"step_\d{6,}", n))
+    return [os.path.join(out_dir, n) for n in names if os.path.exists(os.path.join(out_dir, n, "manifest.json"))]
+
+
+def prune(out_dir, keep):
+    done = checkpoints(out_dir)
+    for old in done[:max(0, len(done) - max(keep, 1))]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def read_manifest(folder, config=None):
+    """The manifest, after checking that it is one, that it was written for this
+    model, and that every file it names is there with its size."""
+    path = os.path.join(folder, "manifest.json")
+    try:
+        with open(path) as f:
+            manifest = json.load(f)
+        files, step, model = manifest["files"], int(manifest["step"]), manifest["model"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        die(f"{folder} is not a complete checkpoint: cannot read {path} ({e})", scope="node")
+    if config is not None:
+        mine = {k: v for k, v in asdict(config).items() if k != "dropout"}
+        theirs = {k: model.get(k) for k in mine}
+        if mine != theirs:
+            diff = ", ".join(f"{k}={theirs[k]} (this run: {mine[k]})" for k in mine if mine[k] != theirs[k])
+            die(f"{folder} was written for another model: {diff}", scope="node")
+    for f in files:
+        p = os.path.join(folder, f["file"])
+        if not os.path.exists(p) or os.path.getsize(p) != f["bytes"]:
+            die(f"{p} is missing or truncated ({os.path.getsize(p) if os.path.exists(p) else 0} bytes, "
+                f"the manifest says {f['bytes']})", scope="node")
+    return manifest
+
+
+class CheckpointReader:
+    """The global tensors of a checkpoint, read piece by piece from the rank files
+    (memory-mapped, each file checked against its sha256 when first opened)."""
+
+    def __init__(self, folder, manifest):
+        self.folder, self.manifest, self.opened, self.cached = folder, manifest, {}, (None, None)
+        self.where = {}  # (kind, name) -> [(file, key, index)]
+        for f in manifest["files"]:
+            for p in f["pieces"]:
+                index = p["index"] if p["index"] is None else tuple(p["index"])
+                self.where.setdefault((p["kind"], p["name"]), []).append((f, p["key"], index))
+
+    def _file(self, f):
+        if f["file"] not in self.opened:
+            path = os.path.join(self.folder, f["file"])
+            if sha256(path) != f["sha256"]:
+                die(f"{path} does not match its checksum in manifest.json: the file is corrupt", scope="node")
+            try:
+                self.opened[f["file"]] = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            except Exception as e:  # a corrupt file that still has the right checksum is a bug of ours
+                die(f"cannot load {path}: {e}", scope="node")
+        return self.opened[f["file"]]
+
+    def has(self, kind, name):
+        return (kind, name) in self.where
+
+    def read(self, kind, name, index):
+        pieces = self.where.get((kind, name))
+        if not pieces:
+            die(f"{self.folder} holds no {kind} of {name}", scope="node")
+        for f, key, where in pieces:
+            if where == index:  # the same layout: the piece as it was saved
+                return self._file(f)[key]
+        if self.cached[0] != (kind, name):
+            full = torch.zeros(self.manifest["shapes"][name])
+            covered = 0
+            for f, key, where in pieces:
+                _cut(full, where).copy_(self._file(f)[key].reshape(_cut(full, where).shape))
+                covered += self._file(f)[key].numel()
+            if covered < full.numel():
+                die(f"{self.folder} holds only {covered} of the {full.numel()} elements of {name}", scope="node")
+            self.cached = ((kind, name), full)
+        return _cut(self.cached[1], index)
+
+
+def restore(run, entries, optimizer):
+    """Remember what this rank holds (for saving), and load it from the checkpoint
+    --resume names, if any: parameters, Adam's moments and its step count, and the
+    iteration to continue from. The data sampler draws by (seed, step), so the
+    resumed run sees the batches the uninterrupted one would have."""
+    cfg = run.cfg
+    run.entries, run.optimizer = entries, optimizer
+    folder = cfg.resume
+    if folder == "latest":
+        done = checkpoints(cfg.out_dir)
+        folder = done[-1] if done else ""
+    if folder:
+        manifest = read_manifest(folder, run.config)
+        reader = CheckpointReader(folder, manifest)
+        step = manifest["step"]
+        fused = run.device.type == "cuda"
+        with torch.no_grad():
+            for name, param, index, _ in entries:
+                moments = {m: torch.zeros_like(param) for m in MOMENTS if reader.has(m, name)}
+                for where, view in _regions(index, param):
+                    view(param).copy_(reader.read("param", name, where).reshape(view(param).shape))
+                    for m, t in moments.items():
+                        view(t).copy_(reader.read(m, name, where).reshape(view(t).shape))
+                if len(moments) == len(MOMENTS):  # Adam's state as AdamW itself keeps it after `step` steps
+                    step_t = torch.tensor(float(step), device=param.device if fused else "cpu")
+                    optimizer.state[param] = dict(step=step_t, **moments)
+        run.start_iter = step
+        if run.rank == 0:
+            print(f"resumed from {folder} (step {step}, written by {manifest['strategy']} on {manifest['world']} "
+                  f"ranks)", flush=True)
+    run.log = Logger(cfg, run.rank, run.start_iter)
+
+
+def load_full_state(folder):
+    """A checkpoint as one model.GPT state_dict (the tied head included), on the CPU:
+    for sample.py, and for --save_path."""
+    manifest = read_manifest(folder)
+    reader = CheckpointReader(folder, manifest)
+    state = {name: reader.read("param", name, None).clone() for name in manifest["shapes"]}
+    state["lm_head.weight"] = state["transformer.wte.weight"]
+    return state, manifest
+
+
+def save_full_state(run, path):
+    """--save_path: write a checkpoint beside it, and rank 0 turns it into one file."""
+    parts = path + ".parts"
+    save_checkpoint(run, run.cfg.max_iters, folder=parts)
+    if run.rank == 0:
+        state, _ = load_full_state(parts)
+        torch.save(state, path + ".tmp")
+        os.replace(path + ".tmp", path)
+        shutil.rmtree(parts, ignore_errors=True)

@@ -55,6 +55,7 @@ def reference(train_args, tmp_path_factory):
     """The one-process run of ddp.py: (per-iteration log records, final state_dict)."""
     import torch
     import ddp
+    torch.set_num_threads(1)  # as every spawned rank runs (harness.py): on 2 shared cores more only thrash
     out = tmp_path_factory.mktemp("reference")
     path = str(out / "state.pt")
     records = ddp.main(train_args + [f"--save_path={path}", f"--log_file={out / 'log.jsonl'}"])

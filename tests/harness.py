@@ -80,10 +80,10 @@ def spawn(fn, world_size, *args, timeout=120):
     return [results[r] for r in range(world_size)]
 
 
-def torchrun(script, nproc, args=(), timeout=120, env=None):
-    """Run `torchrun --nproc_per_node=nproc script args` from the repo root, with a deadline."""
+def torchrun(script, nproc, args=(), timeout=120, env=None, extra=()):
+    """Run `torchrun --nproc_per_node=nproc [extra] script args` from the repo root, with a deadline."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-           "--master_addr", "127.0.0.1", "--master_port", str(free_port()), script, *args]
+           "--master_addr", "127.0.0.1", "--master_port", str(free_port()), *extra, script, *args]
     full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
     p = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          text=True, start_new_session=True)

@@ -123,8 +123,43 @@ def test_flops_and_peak():
     n = 124_475_904  # GPT-2 124M with the padded vocabulary, counted in test_vocab...
     f = M.flops_per_token(c, n)
     assert f == 6 * (n - 1024 * 768) + 12 * 12 * 12 * 64 * 1024
+    assert M.flops_per_token(c) == f  # the count from the config alone
     assert M.peak_flops("cpu") is None and M.peak_flops("cpu", 1e12) == 1e12
-    assert dict(M.PEAK_FLOPS)["H200"] == 989e12
+
+
+@pytest.mark.parametrize("name, bf16, fp32", [
+    ("NVIDIA H200", 989e12, 494e12), ("NVIDIA H100 80GB HBM3", 989e12, 494e12),
+    ("NVIDIA H100 PCIe", 756e12, 378e12), ("NVIDIA H100 NVL", 835e12, 418e12), ("NVIDIA GH200 480GB", 989e12, 494e12),
+    ("NVIDIA A100-SXM4-80GB", 312e12, 156e12), ("NVIDIA L40S", 362e12, 183e12), ("NVIDIA L40", 181e12, 90.5e12),
+    ("NVIDIA L4", 121e12, 60e12), ("NVIDIA A10G", 70e12, 35e12), ("NVIDIA A10", 125e12, 62.5e12),
+    ("Tesla V100-SXM2-16GB", 125e12, 15.7e12), ("Tesla T4", 65e12, 8.1e12), ("NVIDIA GeForce RTX 4090", 165e12, 82.6e12),
+    ("Some Future GPU", None, None),
+])
+def test_peak_by_device_name_and_dtype(name, bf16, fp32):
+    """The most specific name wins (L40 is not an L4, an H100 PCIe is not an SXM), and a
+    float32 run is measured against the TF32/fp32 peak, not the bf16 one."""
+    assert M.device_peak(name, "bfloat16") == bf16 and M.device_peak(name, "float32") == fp32
+
+
+@pytest.mark.parametrize("capability, want", [((7, 0), "float32"), ((7, 5), "float32"), ((8, 0), "bfloat16"),
+                                              ((9, 0), "bfloat16")])
+def test_auto_dtype_needs_native_bf16(monkeypatch, capability, want):
+    """V100 (7.0) and T4 (7.5) emulate bf16, slower than float32: auto picks float32 there."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: capability)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    assert M.auto_dtype() == want
+
+
+def test_every_window_can_be_drawn():
+    """A window is block_size + 1 tokens: data of exactly that length has one, and the
+    last window of any data is drawn too."""
+    data = np.arange(33, dtype=np.uint16)
+    x, y = M.get_batch(data, 0, 0, 4, 32)
+    assert torch.equal(x[0], torch.arange(32)) and torch.equal(y[0], torch.arange(1, 33))
+    data = np.arange(40, dtype=np.uint16)
+    starts = {M.get_batch(data, 0, k, 8, 32)[0][:, 0].tolist()[i] for k in range(50) for i in range(8)}
+    assert starts == set(range(8))  # 40 - 32 = 8 windows, the last (7) included
 
 
 # ---------------------------------------------------------------- the sampler
@@ -174,7 +209,7 @@ def test_parse_args_forms():
     (["--data_dir=/nonexistent"], "no /nonexistent/train.bin"),
     (["--model=huge"], "unknown --model 'huge'"),
     (["--learning_rate=1"], "unknown flag --learning_rate"),
-    (["--batch_size=abc"], "--batch_size takes a int"),
+    (["--batch_size=abc"], "--batch_size takes an integer, not 'abc'"),
     (["--mode=fast"], "--mode takes naive, bucketed or overlap"),
 ])
 def test_bad_input_is_one_clear_line(args, message, data_dir):
