@@ -19,6 +19,12 @@ stages of DDP, so the difference can be measured:
   overlap   (default) each bucket's all-reduce starts asynchronously the moment
             its last gradient is ready, while backward goes on computing the
             gradients of earlier layers; the step waits for them at the end
+
+--grad_accum=k runs k micro-steps per optimizer step and communicates only after
+the last: the same bytes per step, k times the tokens.
+
+--n_expert=E trains model.py's mixture of experts with every expert replicated;
+its one-process run is the reference that expert_parallel.py reproduces.
 """
 import torch
 
@@ -35,6 +41,13 @@ def traffic_per_rank(config, cfg, world):
     return 2 * (world - 1) / world * 4 * M.param_count(config)
 
 
+def all_reduce_each(params, group=None):
+    """Naive DDP, the whole algorithm: after backward, average each gradient over the
+    ranks, one message per parameter (148 for the tiny preset)."""
+    for p in params:
+        C.all_reduce(p.grad, op="avg", group=group)
+
+
 class GradBuckets:
     """The gradients of all parameters, packed into flat buffers ("buckets").
 
@@ -43,32 +56,34 @@ class GradBuckets:
     gradient_as_bucket_view). Parameters go into buckets in reverse order of
     registration, which is roughly the order backward produces their gradients,
     so the first bucket fills first and can be sent while backward still runs.
+    overlap=True launches each bucket's all-reduce from a gradient hook as soon as
+    the bucket is full; otherwise reduce() sends them all after backward.
     """
 
-    def __init__(self, params, bucket_mb, mode, world):
-        self.mode = mode if world > 1 else "alone"  # one process: nothing to average, nothing to launch
+    def __init__(self, params, bucket_mb, overlap, group=None):
+        self.group, self.overlap = group, overlap
         params = [p for p in params if p.requires_grad][::-1]
         cap = int(bucket_mb * 2**20)
-        groups, size = [[]], 0
+        buckets, size = [[]], 0
         for p in params:
-            if groups[-1] and (mode == "naive" or size + p.numel() * p.element_size() > cap):
-                groups.append([])  # naive: a "bucket" per parameter, so the same code runs all modes
+            if buckets[-1] and size + p.numel() * p.element_size() > cap:
+                buckets.append([])
                 size = 0
-            groups[-1].append(p)
+            buckets[-1].append(p)
             size += p.numel() * p.element_size()
         self.buffers, self.bucket_of = [], {}
-        for b, group in enumerate(groups):
-            flat = torch.zeros(sum(p.numel() for p in group), dtype=params[0].dtype, device=params[0].device)
+        for b, members in enumerate(buckets):
+            flat = torch.zeros(sum(p.numel() for p in members), dtype=params[0].dtype, device=params[0].device)
             offset = 0
-            for p in group:
+            for p in members:
                 p.grad = flat[offset:offset + p.numel()].view_as(p)
                 self.bucket_of[p] = b
                 offset += p.numel()
             self.buffers.append(flat)
-        self.sizes = [len(g) for g in groups]
+        self.sizes = [len(members) for members in buckets]
         self.sync = True  # False on the micro-steps of gradient accumulation that don't communicate
         self.handles = []
-        if mode == "overlap":
+        if overlap:
             for p in params:
                 # fires once per backward, after p's gradient has been accumulated:
                 # a tied weight used twice fires once, with both uses summed
@@ -88,22 +103,19 @@ class GradBuckets:
         # rank must issue its all-reduces in the same order, or rank 0's bucket 3
         # meets rank 1's bucket 2 and the ring exchanges the wrong data (or hangs)
         while self.launched < len(self.buffers) and self.ready[self.launched] == self.sizes[self.launched]:
-            self.handles.append(C.all_reduce(self.buffers[self.launched], op="avg", async_op=True))
+            self.handles.append(C.all_reduce(self.buffers[self.launched], op="avg", group=self.group, async_op=True))
             self.launched += 1
 
     def reduce(self):
-        """After backward: average every bucket across ranks. Returns the seconds the
-        step waited for communication that backward did not hide."""
-        t0 = M.timer(self.buffers[0].device)
-        if self.mode == "overlap":
+        """After backward: every bucket averaged over the ranks, on return."""
+        if self.overlap:
             assert self.launched == len(self.buffers), "a gradient never arrived: is every parameter used?"
             for h in self.handles:
                 h.wait()
             self.handles = []
-        elif self.mode != "alone":
+        else:
             for flat in self.buffers:
-                C.all_reduce(flat, op="avg")
-        return M.timer(self.buffers[0].device) - t0
+                C.all_reduce(flat, op="avg", group=self.group)
 
 
 def main(argv=None):
@@ -112,34 +124,32 @@ def main(argv=None):
         M.die(f"--mode takes naive, bucketed or overlap, not {cfg.mode!r}")
     if cfg.grad_accum < 1 or cfg.bucket_mb <= 0:
         M.die("--grad_accum must be at least 1 and --bucket_mb positive")
-    rank, world, _, device = C.init_distributed()
+    run = M.start(cfg, "ddp", moe=True)
+    rank, world, device, config = run.rank, run.world, run.device, run.config
     if cfg.batch_size % (world * cfg.grad_accum):
         M.die(f"--batch_size={cfg.batch_size} does not divide into {world} ranks x {cfg.grad_accum} micro-steps")
-    config, train_data, val_data, autocast = M.setup_run(cfg, device)
-    micro = cfg.batch_size // (world * cfg.grad_accum)  # sequences per rank per micro-step
+    if config.capacity_factor and world > 1:  # GShard's drop rule needs the routing of every rank's rows
+        M.die("--capacity_factor needs the whole micro-batch's routing, which ddp.py's ranks don't share: "
+              "use expert_parallel.py, or one process")
+    group = None  # the whole world; parallel_3d.py runs the same pieces on a sub-group
 
     # every rank builds the same model from the seed; the broadcast from rank 0
     # makes that true even if a user changes the seed per rank (a common bug)
     model = M.GPT(config, seed=cfg.seed).to(device)
-    for t in list({id(p): p for p in model.parameters()}.values()) + list(model.buffers()):
-        C.broadcast(t.data, src=0)
-    buckets = GradBuckets(model.parameters(), cfg.bucket_mb, cfg.mode, world)
+    params = list(model.parameters())  # the tied matrix once
+    for t in params + list(model.buffers()):
+        C.broadcast(t.data, src=0, group=group)
+    # one process: nothing to average, so no buckets, no hooks, nothing launched
+    buckets = GradBuckets(params, cfg.bucket_mb, cfg.mode == "overlap", group) \
+        if world > 1 and cfg.mode != "naive" else None
     optimizer = M.make_optimizer(model.named_parameters(), cfg, device)
+    # a checkpoint holds every tensor once: rank 0 writes, every rank reads
+    M.restore(run, [(n, p, None, rank == 0) for n, p in model.named_parameters()], optimizer)
     step_model = torch.compile(model) if cfg.compile else model
-
-    n_params = M.num_params(model.parameters())
-    flops_per_step = M.flops_per_token(config, n_params) * cfg.batch_size * config.block_size
-    peak = M.peak_flops(device, cfg.peak_flops)
-    log = M.Logger(cfg, rank)
     if rank == 0:
-        print(f"ddp: {world} ranks, mode {cfg.mode}, {n_params / 1e6:.2f}M parameters, "
-              f"{len(buckets.buffers)} buckets, {micro} x {config.block_size} tokens per rank per micro-step")
-
-    def batch(step, m, data=train_data, split="train"):
-        first = (rank * cfg.grad_accum + m) * micro  # this rank's contiguous rows of the global batch
-        x, y = M.get_batch(data, cfg.seed, step, cfg.batch_size, config.block_size,
-                           rows=slice(first, first + micro), split=split)
-        return x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        print(f"ddp: {world} ranks, mode {cfg.mode}, {M.param_count(config) / 1e6:.2f}M parameters, "
+              f"{len(buckets.buffers) if buckets else 0} buckets, "
+              f"{cfg.batch_size // (world * cfg.grad_accum)} x {config.block_size} tokens per rank per micro-step")
 
     @torch.no_grad()
     def evaluate():
@@ -147,58 +157,46 @@ def main(argv=None):
         losses = torch.zeros(cfg.eval_iters, cfg.grad_accum, device=device)
         for k in range(cfg.eval_iters):
             for m in range(cfg.grad_accum):  # the same rows as a training step: the whole global batch
-                with autocast:
-                    losses[k, m] = step_model(*batch(k, m, val_data, "val"))[1]
+                with run.autocast:
+                    losses[k, m] = step_model(*M.batch(run, k, "val", m, cfg.grad_accum, rank, world))[1]
         model.train()
         with C.untracked():  # bookkeeping, not training traffic
-            C.all_reduce(losses, op="avg")
+            C.all_reduce(losses, op="avg", group=group)
         return losses.mean().item()
 
-    for it in range(cfg.max_iters):
-        record = {"iter": it}
-        if cfg.eval_interval and (it % cfg.eval_interval == 0 or it == cfg.max_iters - 1):
-            record["val_loss"] = evaluate()
-        lr = M.get_lr(it, cfg)
-        M.set_lr(optimizer, lr)
-        C.reset_bytes()
-        t0 = M.timer(device)
-
-        buckets.zero()
-        loss_sum = torch.zeros((), device=device)
+    for it in range(run.start_iter, cfg.max_iters):
+        M.begin_iter(run, it, evaluate)
+        # ---------------------------------------------------------------- the training step
+        if buckets:
+            buckets.zero()
+        else:
+            optimizer.zero_grad(set_to_none=True)
+        loss = torch.zeros((), device=device)
         for m in range(cfg.grad_accum):
-            # communicate only after the last micro-step: the earlier ones just
-            # accumulate into the buckets, and one all-reduce serves them all
-            buckets.sync = m == cfg.grad_accum - 1
-            x, y = batch(it, m)
-            with autocast:
-                _, loss = step_model(x, y)
-            (loss / cfg.grad_accum).backward()  # the mean over the global batch
-            loss_sum += loss.detach() / cfg.grad_accum
-        exposed = buckets.reduce()
+            if buckets:  # communicate only after the last micro-step: one all-reduce serves them all
+                buckets.sync = m == cfg.grad_accum - 1
+            x, y = M.batch(run, it, "train", m, cfg.grad_accum, rank, world)
+            with run.autocast:
+                _, micro_loss = step_model(x, y)
+            # the mean over the global batch; plus, with --n_expert, the load-balancing loss (0.0 if dense)
+            ((micro_loss + M.moe_loss(model)) / cfg.grad_accum).backward()
+            loss += micro_loss.detach() / cfg.grad_accum
+        t_comm = M.now(device)
+        if buckets:
+            buckets.reduce()
+        elif world > 1:
+            all_reduce_each(params, group)
+        exposed = M.now(device)  # communication that backward did not hide: from here back to t_comm
         # after the all-reduce every rank holds the same gradients, so the local norm is the global norm
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip) if cfg.grad_clip else 0.0
+        norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip) if cfg.grad_clip else 0.0
         optimizer.step()
-
-        dt = M.timer(device) - t0
-        sent = C.bytes_sent()
-        state = M.tensor_bytes(model.parameters()) + M.tensor_bytes(buckets.buffers) + M.optimizer_state_bytes(optimizer)
-        peak_mem = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
-        rows = C.gather_stats([loss_sum.item(), sent, state, peak_mem, exposed])  # one row per rank, on rank 0
-        if rank == 0:
-            tokens_per_s = cfg.batch_size * config.block_size / dt
-            record.update(loss=sum(r[0] for r in rows) / world, lr=lr, grad_norm=float(norm), dt_ms=1000 * dt,
-                          tokens_per_s=tokens_per_s, mfu=flops_per_step / dt / (world * peak) if peak else None,
-                          comm_bytes=[int(r[1]) for r in rows], state_bytes=[int(r[2]) for r in rows],
-                          exposed_comm_ms=[1000 * r[4] for r in rows])
-            if device.type == "cuda":
-                record["peak_bytes"] = [int(r[3]) for r in rows]
-        log(record)
-
-    if cfg.save_path and rank == 0:
-        torch.save({k: v.detach().cpu().clone() for k, v in model.state_dict().items()}, cfg.save_path)
-    C.shutdown()
-    return log.records
+        # ---------------------------------------------------------------- end of the training step
+        grads = buckets.buffers if buckets else [p.grad for p in params]
+        state = M.tensor_bytes(params) + M.tensor_bytes(grads) + M.optimizer_state_bytes(optimizer)
+        M.end_iter(run, loss=loss.item(), grad_norm=norm, state_bytes=state,
+                   exposed_comm_ms=1000 * M.elapsed(t_comm, exposed), **M.moe_log(run, model))
+    return M.finish(run)
 
 
 if __name__ == "__main__":
-    main()
+    M.main_guard(main)
