@@ -1,73 +1,77 @@
 """
-Fully sharded data parallel (ZeRO-3): data parallel training in which no rank ever
-holds the whole model. Parameters, gradients and Adam's state are each split N ways,
-and a unit's full weights exist only while it computes.
+Fully sharded data parallel (ZeRO-3, Rajbhandari et al. 2020): data parallel training
+in which no rank holds the whole model. Parameters, gradients and Adam's state are
+split N ways, and a unit's full weights exist only while it computes.
 
-    python fsdp.py                                    # one process: the reference run
+    python fsdp.py                                    # one process
     torchrun --nproc_per_node=4 fsdp.py               # four ranks (CPU processes over gloo, or GPUs over NCCL)
     torchrun --nproc_per_node=8 fsdp.py --model=gpt2-xl --batch_size=64 --prefetch=2
     torchrun --nproc_per_node=4 fsdp.py --zero_stage=2    # a lighter variant, to compare memory
 
-What it splits. The model is cut into units: each transformer block, and the model's
-two ends (token and position embeddings, final norm, and the head, which reuses the
-token embedding matrix: the tied matrix lives in this one unit, so it is stored,
-gathered and reduced once). A unit's parameters are laid end to end in one flat fp32
-buffer, padded to a multiple of N, and rank r keeps slice r of it, its shard. The
-model is built one unit at a time from model.py's seeded init, and only the shard is
-kept. The batch is split as in ddp.py: rank r takes contiguous rows.
+What it splits. The model is cut into units: each block, and the model's two ends
+(embeddings, final norm, and the head, which reuses the token embedding: the tied
+matrix lives in one unit, so it is stored, gathered and reduced once). A unit's
+parameters lie end to end in a flat buffer, padded to a multiple of N, and rank r
+keeps slice r, its shard, in fp32: the master weights the optimizer updates. Each unit
+is built alone from model.py's seeded init and only the shard is kept. The batch is
+split as in ddp.py.
 
-What it sends, and when, for each micro-batch:
-  forward   all-gather a unit's shards into its full weights just before it runs,
-            free them right after it: the ends (embedding), blocks 0..L-1, the ends (head)
+What it sends, and when, for each micro-batch (zero3_micro_step):
+  forward   all-gather a unit's shards into its full weights just before it runs, free
+            them right after: the ends (embedding), blocks 0..L-1, the ends (head)
   head      forward and backward at once, so that one gather serves both
-  backward  all-gather each block again (L-1 down to 0), recompute its forward,
-            backpropagate, reduce-scatter its gradient into this rank's gradient shard
-            (op avg: the sum over ranks / N, the mean over the global batch, as DDP's)
-            and free the full weights and gradient. The embedding's backward needs no
-            weights (a lookup's gradient is the output gradient added into the rows it
-            read), so the ends' gradient, collected from the head and the embedding, is
-            reduce-scattered once, at the end.
-Every unit is gathered twice and reduce-scattered once. A ring all-gather or
-reduce-scatter of S bytes makes each rank send (N-1)/N·S, so per rank per step
+  backward  all-gather each block again (L-1 down to 0), recompute it, backpropagate,
+            free it, and reduce-scatter its gradient into this rank's gradient shard
+            (avg: the mean over the global batch, as DDP's). The embedding's backward
+            needs no weights (the output gradient is added into the rows the lookup
+            read), so the ends' gradient, head and embedding, is reduce-scattered once.
+A ring all-gather or reduce-scatter of S bytes makes each rank send (N-1)/N·S, so with
+Ψ parameters (padded), per rank per step in fp32
 
-    3(N-1)/N · Ψ · --grad_accum    + one float for the global gradient norm
+    3(N-1)/N · 4Ψ · grad_accum    + one float for the global gradient norm
 
-with Ψ the model's parameter bytes, padded (FORMULAS.md's ZeRO-3 line). DDP sends
-2(N-1)/N·Ψ: ZeRO-3 pays one more gather to hold 16Ψ/N bytes of state per rank (fp32
-param 4 + grad 4 + Adam's m and v 8 per parameter) instead of DDP's 16Ψ. The padding is
-at most N-1 elements a unit; the optimizer never sees it.
+(the README's "The numbers behind the strategies"): one gather more than DDP's
+2(N-1)/N·4Ψ, to hold 16Ψ/N bytes of state per rank (weight, gradient, Adam's m and v)
+instead of 16Ψ.
 
-Prefetch. Before a unit runs, the all-gathers of the next --prefetch units are issued
-asynchronously and travel while it computes, in forward and in backward; a unit's
-reduce-scatter travels while the next one's backward computes. At most 1 + prefetch
-units are alive in gathered form (logged as max_gathered_units); --prefetch=0
-gathers each unit when it is needed, and the computation waits for it.
+Prefetch. When a unit starts computing, the all-gathers of the next --prefetch units
+are issued and travel while it computes; a block's reduce-scatter travels while the
+next block's backward computes. So 1 + prefetch units' full weights exist at most
+(max_gathered_units in the log, counted from the buffers); --prefetch=0 waits for each.
 
-Recompute. Autograd keeps what backward needs, and for a linear layer that is its
-weight: it would keep every gathered unit alive. So this is FSDP with activation
-recomputation, the way large models are usually trained: forward runs each block
-without autograd and keeps only its input; backward gathers the block again and
-recomputes it with autograd. (FSDP without recomputation lets autograd keep its
-saved tensors, which are views of the gathered buffer, frees the buffer's memory by
-resizing its storage to zero after forward, and in backward resizes it back and
-all-gathers into the same storage, so the saved views see the weights again.)
+Recompute. Autograd keeps what backward needs, for a linear layer its weight, and would
+keep every gathered unit alive. So forward runs each block without autograd and keeps
+only its input; backward gathers the block again and recomputes it with autograd.
 
-Mixed precision (--dtype=bfloat16, the default on a GPU). The shard is cast to bf16
-before it is gathered and gradients are reduce-scattered in bf16, so every message
-is half the bytes (Ψ above counts 2 bytes a parameter); the master weights, the
-gradient shard and Adam's state stay fp32.
+Mixed precision (--dtype=bfloat16): the same model as ddp.py's autocast run. Autocast
+computes a linear layer in bf16 and LayerNorm and the embedding lookup in fp32, so a
+block's linear weights and biases are cast to bf16 before they are gathered (half the
+bytes, the very rounding autocast does), its LayerNorms travel in fp32 as a second
+small part, and the ends in fp32 (the lookup reads wte in fp32; the head casts it as
+autocast does). Gradients are reduce-scattered and accumulated in fp32. With Ψ_lin the
+blocks' linear parameters: (N-1)/N · (2(2Ψ_lin + 4(Ψ - Ψ_lin)) + 4Ψ) · grad_accum.
+(PyTorch FSDP's MixedPrecision(param_dtype=bf16) gathers everything in bf16: fewer
+bytes, but its embedding and norms run on rounded weights, a slightly other model.)
 
---zero_stage=1|2, the lighter variants, share the code: every rank keeps every unit's
-full weights (no gathers in forward or backward, no recompute) and shards Adam's state
-(1), or the gradients too (2: each unit's gradient is reduce-scattered as soon as it
-is complete; 1 keeps full gradients and reduce-scatters them once per step). After
-the step each rank all-gathers its updated shards: 2(N-1)/N·Ψ per step, DDP's traffic
-(stage 2 with grad_accum: (grad_accum + 1)(N-1)/N·Ψ). State per rank in fp32, with
-the master shard kept apart from the full weights: ZeRO-1 8Ψ + 16Ψ/N, ZeRO-2
-4Ψ + 16Ψ/N, ZeRO-3 16Ψ/N (Ψ in parameters here).
+--zero_stage=1|2 (zero12_step): every rank keeps every unit's full weights (nothing
+gathered in forward or backward, no recompute) and shards Adam's state (1), or the
+gradients too (2: a unit's gradient is reduce-scattered as soon as it is complete; 1
+keeps the full fp32 gradient and reduce-scatters it once a step). After the step each
+rank all-gathers its updated shards (into the full weights, in the dtypes above): in
+fp32 2(N-1)/N·4Ψ per step, DDP's traffic (ZeRO-2 with grad_accum: (grad_accum + 1)
+(N-1)/N·4Ψ). State per rank in fp32: ZeRO-1 8Ψ + 16Ψ/N bytes, ZeRO-2 4Ψ + 16Ψ/N,
+ZeRO-3 16Ψ/N.
+
+Checkpoints: every rank writes its shards, each a ("flat", start, stop) piece of a
+global parameter, so any strategy at any world size can load them.
 """
+import weakref
+from collections import deque, namedtuple
+from types import SimpleNamespace
+
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 import collectives as C
 import model as M
@@ -75,126 +79,159 @@ import model as M
 DEFAULTS = dict(M.TRAIN_DEFAULTS, zero_stage=3, prefetch=1, grad_accum=1)
 
 
-class Ends(nn.Module):
-    """The model's two ends as one unit of sharding: the embeddings and the head (final
-    norm, then logits through the token embedding matrix: the tie)."""
+def traffic_per_rank(config, cfg, world):
+    """The docstring's formula, per rank per step: each part of each unit (padded to a
+    multiple of N) gathered twice and reduce-scattered once per micro-step (ZeRO-3), or
+    reduce-scattered (ZeRO-2: per micro-step) and gathered once a step (ZeRO-1/2). A
+    gather sends the part's dtype, a reduce-scatter fp32. Plus the norm's one float."""
+    d, L = config.n_embd, config.n_layer
+    norms = (4 if config.bias else 2) * d                # ln_1, ln_2: autocast keeps LayerNorm in fp32
+    linear = 12 * d * d + (9 * d if config.bias else 0)  # c_attn, attn.c_proj, c_fc, mlp.c_proj
+    ends = M.param_count(config) - L * (norms + linear)     # wte (tied), wpe, ln_f
+    if cfg.dtype == "bfloat16":  # (elements, bytes each when gathered)
+        parts = [(ends, 4)] + L * [(norms, 4), (linear, 2)]
+    else:
+        parts = [(ends, 4)] + L * [(norms + linear, 4)]
+    padded = [(-(-n // world) * world, b) for n, b in parts]
+    gather, reduce = sum(n * b for n, b in padded), sum(n * 4 for n, _ in padded)
+    a = cfg.grad_accum
+    gathers, reduces = {3: (2 * a, a), 2: (1, a), 1: (1, 1)}[cfg.zero_stage]
+    norm = 2 * (world - 1) / world * 4 if cfg.grad_clip else 0
+    return (world - 1) / world * (gathers * gather + reduces * reduce) + norm
 
-    def __init__(self, config, seed):
-        super().__init__()
-        emb = M.build_unit(config, "embed", seed)
-        self.wte, self.wpe = emb.wte, emb.wpe
-        self.ln_f = M.build_unit(config, "ln_f", seed)
 
-    def forward(self, x, targets=None):
-        """Token ids -> embeddings; or, given targets, the last block's output -> the loss."""
-        if targets is None:
-            return M.embed(self.wte, self.wpe, x)
-        return M.head(self.ln_f, self.wte.weight, x, targets)[1]
+# -----------------------------------------------------------------------------
+# the model as functions of its weights: a unit runs on whatever full weights it is
+# handed, and one compiled function serves every block (the weights are arguments)
+
+
+def embed(w, idx):
+    """model.embed: token and position embeddings, looked up in fp32 (as autocast does)."""
+    pos = torch.arange(idx.shape[1], device=idx.device)
+    return F.embedding(idx, w["wte.weight"]) + F.embedding(pos, w["wpe.weight"])
+
+
+def block_forward(x, flats, layout, n_head):
+    """model.Block's forward on one unit's full flat buffers (dropout 0)."""
+    w = layout.views(flats)
+    B, T, d = x.shape
+    a = F.layer_norm(x, (d,), w["ln_1.weight"], w.get("ln_1.bias"))
+    q, k, v = F.linear(a, w["attn.c_attn.weight"], w.get("attn.c_attn.bias")).chunk(3, dim=2)
+    q, k, v = (t.view(B, T, n_head, d // n_head).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
+    y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, d)
+    x = x + F.linear(y, w["attn.c_proj.weight"], w.get("attn.c_proj.bias"))
+    m = F.layer_norm(x, (d,), w["ln_2.weight"], w.get("ln_2.bias"))
+    m = F.gelu(F.linear(m, w["mlp.c_fc.weight"], w.get("mlp.c_fc.bias")), approximate="tanh")
+    return x + F.linear(m, w["mlp.c_proj.weight"], w.get("mlp.c_proj.bias"))
+
+
+def head_loss(h, flats, layout, targets):
+    """model.head: final norm, logits through the tied matrix, the mean cross-entropy in fp32."""
+    w = layout.views(flats)
+    logits = F.linear(F.layer_norm(h, (h.size(-1),), w["ln_f.weight"], w.get("ln_f.bias")), w["wte.weight"])
+    return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+
+
+def embedding_backward(g, idx, gh):
+    """The embedding's gradient without its weights: token t's row of wte and position p's
+    row of wpe receive the output gradient at every place they were used. The lookup's
+    gradient is summed apart, then added to the head's (g holds it), as autograd does for
+    the tied matrix: the same rounding as the one-process run."""
+    gh = gh.float()  # the residual stream's gradient: fp32 under autocast too
+    g["wte.weight"] += torch.zeros_like(g["wte.weight"]).index_add_(0, idx.view(-1), gh.view(-1, gh.size(-1)))
+    g["wpe.weight"][:idx.size(1)] += gh.sum(0)
+
+
+# -----------------------------------------------------------------------------
+# units: flat buffers, split N ways
+
+Part = namedtuple("Part", "dtype numel shard_size params")  # params: [(name, offset, numel, shape)]
+
+
+def gather_dtype(name, low):
+    """What a unit's full copy of a parameter is in: what autocast computes with. A block's
+    linear weights and biases in `low` (bf16 in a bf16 run); LayerNorm and the ends fp32."""
+    return low if name.startswith(("attn.", "mlp.")) else torch.float32
+
+
+class Layout:
+    """Where a unit's parameters lie: one flat buffer per gather dtype (a part: one in fp32
+    runs; a bf16 block has its linear weights and its LayerNorms), each padded to a multiple
+    of the group's size N so that it splits into N equal shards. Every block has the same
+    layout, and shares this one object, so one compiled block function serves them all."""
+
+    def __init__(self, module, low, world):
+        by_dtype = {}
+        for name, p in module.named_parameters():
+            by_dtype.setdefault(gather_dtype(name, low), []).append((name, p.numel(), tuple(p.shape)))
+        self.parts = []
+        for dtype, params in by_dtype.items():
+            offsets = [0]
+            for _, n, _ in params:
+                offsets.append(offsets[-1] + n)
+            self.parts.append(Part(dtype, offsets[-1], -(-offsets[-1] // world),
+                                   [(name, o, n, shape) for (name, n, shape), o in zip(params, offsets)]))
+
+    def views(self, flats):
+        """name -> that parameter's view into the unit's full flat buffers (weights or gradients)."""
+        return {name: flat[o:o + n].view(shape)
+                for part, flat in zip(self.parts, flats) for name, o, n, shape in part.params}
 
 
 class Unit:
-    """One unit's parameters as a flat buffer split N ways, of which this rank keeps its
-    shard (fp32, the master weights the optimizer updates) and the shard's gradient."""
+    """One unit of sharding on this rank: its shard of each part (fp32 master weights, which
+    the optimizer updates) and the shard's gradient. ZeRO-1/2 also keep `full`, the full
+    weights; ZeRO-1 `full_grad`, the full fp32 gradient."""
 
-    def __init__(self, module, prefix, rank, world, device, keep_full_dtype=None):
-        named = list(module.named_parameters())
-        self.prefix, self.names = prefix, [n for n, _ in named]
-        self.shapes = [p.shape for _, p in named]
-        self.sizes = [p.numel() for _, p in named]
-        self.offsets = [sum(self.sizes[:i]) for i in range(len(named))]
-        self.numel = sum(self.sizes)
-        self.shard_size = -(-self.numel // world)  # padded, so the flat buffer divides evenly
-        flat = torch.zeros(self.shard_size * world)
-        flat[:self.numel] = torch.cat([p.detach().reshape(-1) for _, p in named])
-        self.start = rank * self.shard_size  # where this rank's shard begins in the flat buffer
-        self.shard = flat[self.start:self.start + self.shard_size].clone().to(device)
-        self.grad = torch.zeros_like(self.shard)
-        # ZeRO-1/2 keep the full weights (in the compute dtype) on every rank; ZeRO-3 drops them
-        self.full = flat.to(device, keep_full_dtype) if keep_full_dtype else None
-        self.full_grad = None  # ZeRO-1's full gradient, kept through the step
-        self.skeleton = module.to("meta")  # the unit's code and shapes, no memory: it runs on gathered views
-
-    def views(self, flat):
-        """name -> that parameter's view into a full flat buffer of this unit (weights or gradient)."""
-        return {name: flat[offset:offset + size].view(shape)
-                for name, offset, size, shape in zip(self.names, self.offsets, self.sizes, self.shapes)}
+    def __init__(self, module, prefix, layout, group, device):
+        rank, world = C.get_rank(group), C.get_world_size(group)
+        params = dict(module.named_parameters())
+        self.prefix, self.layout, self.shards = prefix, layout, []
+        self.starts = [rank * part.shard_size for part in layout.parts]  # where this rank's shard begins in each part
+        for part, start in zip(layout.parts, self.starts):
+            flat = torch.zeros(part.shard_size * world)
+            for name, o, n, _ in part.params:
+                flat[o:o + n] = params[name].detach().reshape(-1)
+            self.shards.append(flat[start:start + part.shard_size].clone().to(device))
+        self.grads = [torch.zeros_like(s) for s in self.shards]
+        self.full = self.full_grad = None
 
     def optimizer_params(self):
-        """(GPT state_dict name, view) for the part of each parameter in this rank's shard.
-        The optimizer updates the shard in place through these views, and reads the
-        gradient shard through their .grad. nanoGPT's decay rule (model.decays) looks at
-        the parameter's shape, so a slice of a matrix goes in as a one-row matrix."""
+        """[(GPT's parameter name, view, ("flat", start, stop))] for the piece of each parameter
+        in this rank's shards: global.view(-1)[start:stop]. The optimizer updates the shard in
+        place through these views and reads the gradient shard through their .grad. nanoGPT's
+        decay rule (model.decays) looks at the shape, so a piece of a matrix is a one-row matrix."""
         out = []
-        for name, shape, offset, size in zip(self.names, self.shapes, self.offsets, self.sizes):
-            lo, hi = max(offset, self.start), min(offset + size, self.start + self.shard_size)
-            if lo >= hi:
-                continue  # this parameter lies in other ranks' shards
-            p, g = (t[lo - self.start:hi - self.start] for t in (self.shard, self.grad))
-            if len(shape) >= 2:
-                p, g = p.view(1, -1), g.view(1, -1)
-            p.grad = g
-            out.append((self.prefix + name, p))
+        for part, start, shard, grad in zip(self.layout.parts, self.starts, self.shards, self.grads):
+            for name, o, n, shape in part.params:
+                lo, hi = max(o, start), min(o + n, start + part.shard_size)
+                if lo >= hi:
+                    continue  # this parameter lies in other ranks' shards
+                p, g = shard[lo - start:hi - start], grad[lo - start:hi - start]
+                if len(shape) >= 2:
+                    p, g = p.view(1, -1), g.view(1, -1)
+                p.grad = g
+                out.append((self.prefix + name, p, ("flat", lo - o, hi - o)))
         return out
 
 
-def run(unit, full, *args):
-    """The unit's forward on full weights: views into one flat buffer."""
-    return torch.func.functional_call(unit.skeleton, unit.views(full), args)
+def build_units(config, cfg, group, device):
+    """The ends and the blocks, one at a time from model.py's seeded init; only the shards stay."""
+    low = torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32
+    world = C.get_world_size(group)
+    emb = M.build_unit(config, "embed", cfg.seed)
+    ends = nn.ModuleDict(dict(wte=emb.wte, wpe=emb.wpe, ln_f=M.build_unit(config, "ln_f", cfg.seed)))
+    units = [Unit(ends, "transformer.", Layout(ends, low, world), group, device)]
+    block_layout = None
+    for i in range(config.n_layer):
+        block = M.build_unit(config, i, cfg.seed)
+        block_layout = block_layout or Layout(block, low, world)
+        units.append(Unit(block, f"transformer.h.{i}.", block_layout, group, device))
+    return units
 
 
-class Gatherer:
-    """Full weights on demand. ZeRO-3: all-gather a unit just before it runs, with the next
-    `prefetch` units' gathers already on the way, and free it right after. ZeRO-1/2: every
-    unit's full weights stay, there is nothing to gather."""
-
-    def __init__(self, units, prefetch, dtype, sharded):
-        self.units, self.prefetch, self.dtype, self.sharded = units, prefetch, dtype, sharded
-        self.alive = {}  # unit index -> (full buffer, handle of its all-gather)
-        self.max_alive = 0
-
-    def _gather(self, i):
-        if i in self.alive:
-            return
-        u = self.units[i]
-        full = torch.empty(u.shard_size * C.get_world_size(), dtype=self.dtype, device=u.shard.device)
-        # cast before communicating: a bf16 run sends half the bytes
-        self.alive[i] = (full, C.all_gather(full, u.shard.to(self.dtype), async_op=True))
-        self.max_alive = max(self.max_alive, len(self.alive))
-
-    def walk(self, order):
-        """Yields the full weights of units order[0], order[1], ... in turn. Every rank walks
-        the same order, so every rank issues the same collectives in the same order."""
-        for k, i in enumerate(order):
-            if not self.sharded:
-                yield self.units[i].full
-                continue
-            for j in order[k:k + 1 + self.prefetch]:
-                self._gather(j)  # async: the next units' gathers travel while unit i computes
-            full, handle = self.alive[i]
-            handle.wait()
-            yield full
-            del self.alive[i]  # reshard: the full weights go as soon as the unit is done
-
-
-class Reducer:
-    """Reduce-scatters a unit's full gradient into its shard's gradient, asynchronously, with
-    one in flight: unit k's reduce-scatter travels while backward computes unit k-1."""
-
-    def __init__(self):
-        self.pending = None
-
-    def __call__(self, unit, grad):
-        self.finish()
-        out = torch.empty(unit.shard_size, dtype=grad.dtype, device=grad.device)
-        # avg: the sum over ranks / N, so the gradient is the mean over the global batch
-        self.pending = (unit, out, grad, C.reduce_scatter(out, grad, op="avg", async_op=True))
-
-    def finish(self):
-        if self.pending:
-            unit, out, _, handle = self.pending  # the full gradient is freed only once it has been sent
-            handle.wait()
-            unit.grad += out  # accumulates over micro-steps, in fp32
-            self.pending = None
+# -----------------------------------------------------------------------------
+# ZeRO-3's communication: gather a unit, free it, reduce-scatter its gradient
 
 
 def leaf(t):
@@ -202,18 +239,283 @@ def leaf(t):
     return t.detach().requires_grad_()
 
 
-def traffic_per_rank(config, cfg, world):
-    """The docstring's formula, per rank per step: every unit's padded parameter bytes
-    gathered twice and reduce-scattered once per micro-step (ZeRO-3), or reduce-scattered
-    and gathered once a step (ZeRO-1/2), plus the gradient norm's one float."""
-    with torch.device("meta"):
-        block = sum(p.numel() for p in M.Block(config).parameters())
-    units = [M.param_count(config) - config.n_layer * block] + [block] * config.n_layer  # the ends, the blocks
-    padded = sum(-(-n // world) * world for n in units)
-    elem = 2 if cfg.dtype == "bfloat16" else 4  # bf16 runs gather and reduce in bf16
-    passes = {3: 3 * cfg.grad_accum, 2: cfg.grad_accum + 1, 1: 2}[cfg.zero_stage]
-    norm = 2 * (world - 1) / world * 4 if cfg.grad_clip else 0
-    return passes * (world - 1) / world * padded * elem + norm
+class LiveUnits:
+    """How many units' full weights exist right now, and the most at once. Counted from the
+    buffers themselves, at each allocation (the only moment the count can rise): a unit is
+    alive while any of its buffers still holds memory, whoever refers to it."""
+
+    def __init__(self):
+        self.alive, self.peak = [], 0  # per gathered unit, weak references to its buffers
+
+    def allocated(self, buffers):
+        self.alive = [refs for refs in self.alive if any(self._holds_memory(r()) for r in refs)]
+        self.alive.append([weakref.ref(b) for b in buffers])
+        self.peak = max(self.peak, len(self.alive))
+
+    @staticmethod
+    def _holds_memory(t):
+        return t is not None and t.untyped_storage().nbytes() > 0
+
+
+def gather_unit(u, group, live):
+    """Start all-gathering unit u's shards into its full weights, one buffer per part in the
+    part's dtype (a bf16 part is cast before it is sent: half the bytes). -> (buffers, handles)"""
+    world = C.get_world_size(group)
+    full, handles = [], []
+    for part, shard in zip(u.layout.parts, u.shards):
+        buf = torch.empty(part.shard_size * world, dtype=part.dtype, device=shard.device)
+        handles.append(C.all_gather(buf, shard.to(part.dtype), group=group, async_op=True))
+        full.append(buf)
+    live.allocated(full)
+    return full, handles
+
+
+def free(full):
+    """A unit's full weights go now: the memory is released even where a reference to the
+    tensor remains (autograd's graph, the communication thread's last job), as PyTorch's
+    FSDP frees it, by shrinking the storage to nothing."""
+    for t in full:
+        t.untyped_storage().resize_(0)
+
+
+class Gathers:
+    """The all-gathers of one pass over the units, issued in `schedule`, the order in which
+    the units will compute, and at most `prefetch` ahead of the unit computing.
+    take(u): u's full weights, its all-gather done (issued now if it was not ahead).
+    prefetch(): issue the next units' all-gathers, to travel while u computes."""
+
+    def __init__(self, schedule, prefetch, group, live):
+        self.todo, self.ahead = deque(schedule), deque()  # not issued yet; issued, not yet taken
+        self.prefetch_depth, self.group, self.live = prefetch, group, live
+
+    def take(self, u):
+        if not self.ahead:
+            self._issue()
+        unit, full, handles = self.ahead.popleft()
+        assert unit is u, "units taken out of schedule order"  # every rank must gather in one order
+        for h in handles:
+            h.wait()
+        return full
+
+    def prefetch(self):
+        while len(self.ahead) < self.prefetch_depth and self.todo:
+            self._issue()
+
+    def _issue(self):
+        u = self.todo.popleft()
+        self.ahead.append((u, *gather_unit(u, self.group, self.live)))
+
+
+def reduce_scatter_grad(u, grads, group):
+    """Start reduce-scattering unit u's full gradient (one buffer per part) into this rank's
+    gradient shard, in fp32: avg, the sum over ranks / N, so the gradient is the mean over
+    the global batch. -> what add_reduced() needs to finish it."""
+    pending = []
+    for g in grads:
+        g = g.float()  # a bf16 part's gradient is summed over ranks in fp32
+        out = torch.empty(g.numel() // C.get_world_size(group), device=g.device)
+        pending.append((out, g, C.reduce_scatter(out, g, op="avg", group=group, async_op=True)))
+    return u, pending
+
+
+def add_reduced(reducing):
+    """Wait for a reduce-scatter from reduce_scatter_grad and add it into the gradient shard
+    (the sum over micro-steps, in fp32)."""
+    if reducing is None:
+        return
+    u, pending = reducing
+    for (out, _, handle), grad in zip(pending, u.grads):  # the full gradient is freed only once sent
+        handle.wait()
+        grad += out
+
+
+# -----------------------------------------------------------------------------
+# the ZeRO-3 step
+
+
+@torch.no_grad()
+def zero3_forward(units, idx, gathers, compute, inputs=None):
+    """The embedding and the blocks without autograd, each on its just-gathered weights,
+    freed as soon as it is done. inputs: a list to fill with each block's input, all that
+    backward keeps to recompute it (b·s·h numbers a block)."""
+    ends, blocks = units[0], units[1:]
+    full = gathers.take(ends)
+    gathers.prefetch()  # the next units' all-gathers travel while the embedding computes
+    h = embed(ends.layout.views(full), idx)
+    free(full)
+    for u in blocks:
+        full = gathers.take(u)
+        gathers.prefetch()
+        if inputs is not None:
+            inputs.append(h)
+        h = compute.block(h, full, u.layout, compute.n_head)
+        free(full)
+    return h
+
+
+def zero3_micro_step(units, x, y, scale, run, group, live, compute):
+    """One micro-batch forward and backward; every unit's gradient ends up reduce-scattered
+    into its gradient shard. scale: 1/grad_accum, so the shards sum to the mean."""
+    ends, blocks = units[0], units[1:]
+    gathers = Gathers([ends, *blocks, ends, *reversed(blocks)], run.cfg.prefetch, group, live)
+    inputs = []
+    with run.autocast:
+        h = leaf(zero3_forward(units, x, gathers, compute, inputs))
+        # the head: forward and backward at once, on one gather of the ends
+        full = [leaf(t) for t in gathers.take(ends)]
+        gathers.prefetch()
+        loss = compute.head(h, full, ends.layout, y)
+    gh, *g_ends = torch.autograd.grad(loss * scale, [h, *full])
+    free(full)
+    reducing = None
+    for u, h_in in zip(reversed(blocks), reversed(inputs)):
+        full = [leaf(t) for t in gathers.take(u)]
+        gathers.prefetch()  # the next blocks' all-gathers travel while this one recomputes
+        h_in = leaf(h_in)
+        with run.autocast:
+            out = compute.block(h_in, full, u.layout, compute.n_head)  # recompute, with autograd this time
+        gh, *g = torch.autograd.grad(out, [h_in, *full], gh)
+        free(full)
+        add_reduced(reducing)  # the previous block's reduce-scatter, done while this one computed
+        reducing = reduce_scatter_grad(u, g, group)
+    embedding_backward(ends.layout.views(g_ends), x, gh)
+    add_reduced(reducing)
+    add_reduced(reduce_scatter_grad(ends, g_ends, group))  # the tied matrix: head and embedding, reduced once
+    return loss.detach()
+
+
+def zero3_step(units, run, it, group, live, compute):
+    """The gradients of one optimizer step, reduce-scattered into the units' gradient shards. -> the loss"""
+    cfg = run.cfg
+    loss = torch.zeros((), device=run.device)
+    for m in range(cfg.grad_accum):
+        x, y = M.batch(run, it, "train", m, cfg.grad_accum, C.get_rank(group), C.get_world_size(group))
+        loss += zero3_micro_step(units, x, y, 1.0 / cfg.grad_accum, run, group, live, compute) / cfg.grad_accum
+    return loss
+
+
+@torch.no_grad()
+def zero3_loss(units, x, y, run, group, live, compute):
+    """The loss of a batch without gradients (validation): gathers in forward only."""
+    ends = units[0]
+    gathers = Gathers([*units, ends], run.cfg.prefetch, group, live)
+    with run.autocast:
+        h = zero3_forward(units, x, gathers, compute)
+        full = gathers.take(ends)
+        loss = compute.head(h, full, ends.layout, y)
+    free(full)
+    return loss
+
+
+# -----------------------------------------------------------------------------
+# the ZeRO-1/2 step: full weights kept on every rank, nothing gathered until the update
+
+
+def zero12_micro_step(units, x, y, scale, stage, run, group, compute):
+    """One micro-batch forward and backward on the kept full weights. Each block keeps its
+    autograd graph (no recompute); backward goes block by block, so that ZeRO-2 can
+    reduce-scatter a block's gradient as soon as it is complete; ZeRO-1 adds it to the full
+    fp32 gradient, reduce-scattered once per step."""
+    ends, blocks = units[0], units[1:]
+    saved = []
+    with run.autocast:
+        with torch.no_grad():
+            h = embed(ends.layout.views(ends.full), x)
+        for u in blocks:
+            h_in, w = leaf(h), [leaf(t) for t in u.full]
+            out = compute.block(h_in, w, u.layout, compute.n_head)
+            saved.append((h_in, w, out))
+            h = out.detach()
+        h, w_ends = leaf(h), [leaf(t) for t in ends.full]
+        loss = compute.head(h, w_ends, ends.layout, y)
+    gh, *g_ends = torch.autograd.grad(loss * scale, [h, *w_ends])
+    reducing = None
+    for u, (h_in, w, out) in zip(reversed(blocks), reversed(saved)):
+        gh, *g = torch.autograd.grad(out, [h_in, *w], gh)
+        if stage == 1:
+            for full_grad, gi in zip(u.full_grad, g):
+                full_grad += gi  # in fp32
+        else:
+            add_reduced(reducing)
+            reducing = reduce_scatter_grad(u, g, group)  # travels while the next block's backward computes
+    embedding_backward(ends.layout.views(g_ends), x, gh)
+    if stage == 1:
+        for full_grad, gi in zip(ends.full_grad, g_ends):
+            full_grad += gi
+    else:
+        add_reduced(reducing)
+        add_reduced(reduce_scatter_grad(ends, g_ends, group))
+    return loss.detach()
+
+
+def zero12_step(units, run, it, stage, group, compute):
+    """The gradients of one optimizer step, reduce-scattered into the units' gradient shards. -> the loss"""
+    cfg = run.cfg
+    for u in units:
+        for t in u.full_grad or []:
+            t.zero_()
+    loss = torch.zeros((), device=run.device)
+    for m in range(cfg.grad_accum):
+        x, y = M.batch(run, it, "train", m, cfg.grad_accum, C.get_rank(group), C.get_world_size(group))
+        loss += zero12_micro_step(units, x, y, 1.0 / cfg.grad_accum, stage, run, group, compute) / cfg.grad_accum
+    if stage == 1:  # one reduce-scatter a unit per step, whatever grad_accum is
+        reducing = None
+        for u in units:
+            add_reduced(reducing)
+            reducing = reduce_scatter_grad(u, u.full_grad, group)
+        add_reduced(reducing)
+    return loss
+
+
+@torch.no_grad()
+def zero12_loss(units, x, y, run, compute):
+    """The loss of a batch without gradients (validation), on the kept full weights."""
+    ends, blocks = units[0], units[1:]
+    with run.autocast:
+        h = embed(ends.layout.views(ends.full), x)
+        for u in blocks:
+            h = compute.block(h, u.full, u.layout, compute.n_head)
+        return compute.head(h, ends.full, ends.layout, y)
+
+
+def gather_full_weights(units, group):
+    """ZeRO-1/2: every rank all-gathers every unit's shards into its full weights (after each
+    optimizer step, and once at the start, from the initial or the loaded shards)."""
+    world = C.get_world_size(group)
+    for u in units:
+        if u.full is None:
+            u.full = [torch.empty(p.shard_size * world, dtype=p.dtype, device=s.device)
+                      for p, s in zip(u.layout.parts, u.shards)]
+        for part, full, shard in zip(u.layout.parts, u.full, u.shards):
+            C.all_gather(full, shard.to(part.dtype), group=group)
+
+
+# -----------------------------------------------------------------------------
+# shared by every stage: the global norm and the state
+
+
+def clip_grad_shards(units, max_norm, group):
+    """Clip by the global gradient norm. Every element lies in exactly one rank's shard (the
+    padding's gradient is 0), so the sum of the ranks' squared norms is the global one,
+    nothing counted twice. -> the norm (a tensor: reading it would wait for the device)."""
+    sq = torch.stack([g.pow(2).sum() for u in units for g in u.grads]).sum()
+    C.all_reduce(sq, group=group)
+    norm = sq.sqrt()
+    coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)  # as torch.nn.utils.clip_grad_norm_
+    for u in units:
+        for g in u.grads:
+            g.mul_(coef)
+    return norm
+
+
+def state_bytes(units, optimizer):
+    """Parameters, gradients and Adam's state resident on this rank."""
+    kept = [t for u in units for t in u.shards + u.grads + (u.full or []) + (u.full_grad or [])]
+    return M.tensor_bytes(kept) + M.optimizer_state_bytes(optimizer)
+
+
+# -----------------------------------------------------------------------------
+# the run
 
 
 def main(argv=None):
@@ -224,105 +526,34 @@ def main(argv=None):
         M.die("--prefetch must be at least 0 and --grad_accum at least 1")
     if cfg.dropout:
         M.die("fsdp.py needs --dropout=0: backward recomputes the blocks and would need forward's random masks")
-    rank, world, _, device = C.init_distributed()
+    run = M.start(cfg, "fsdp")
+    rank, world, device, config = run.rank, run.world, run.device, run.config
     if cfg.batch_size % (world * cfg.grad_accum):
         M.die(f"--batch_size={cfg.batch_size} does not divide into {world} ranks x {cfg.grad_accum} micro-steps")
-    config, train_data, val_data, autocast = M.setup_run(cfg, device)
-    micro = cfg.batch_size // (world * cfg.grad_accum)  # sequences per rank per micro-step
-    dtype = torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32  # of the gathered weights
-    stage, recompute = cfg.zero_stage, cfg.zero_stage == 3
+    group = None  # the whole world; parallel_3d.py runs the same pieces on a sub-group
+    stage = cfg.zero_stage
 
-    # one unit at a time: build it from the seed, keep this rank's shard, drop the rest
-    keep = dtype if stage < 3 else None
-    units = [Unit(Ends(config, cfg.seed), "transformer.", rank, world, device, keep)]
-    units += [Unit(M.build_unit(config, i, cfg.seed), f"transformer.h.{i}.", rank, world, device, keep)
-              for i in range(config.n_layer)]
-    if stage == 1:
+    units = build_units(config, cfg, group, device)
+    pieces = [piece for u in units for piece in u.optimizer_params()]
+    optimizer = M.make_optimizer([(name, p) for name, p, _ in pieces], cfg, device)
+    # a checkpoint holds every rank's shards: each is a ("flat", start, stop) piece of a global parameter
+    M.restore(run, [(name, p, index, True) for name, p, index in pieces], optimizer)
+    if stage < 3:
         for u in units:
-            u.full_grad = torch.zeros_like(u.full)
-    gather = Gatherer(units, cfg.prefetch, dtype, sharded=stage == 3)
-    reduce = Reducer()
-    optimizer = M.make_optimizer([p for u in units for p in u.optimizer_params()], cfg, device)
-    if cfg.compile:  # every block has the same code and shapes: one compiled skeleton serves them all
-        ends, block = torch.compile(units[0].skeleton), torch.compile(units[-1].skeleton)
-        for u in units:
-            u.skeleton = ends if u is units[0] else block
-
-    n_params = sum(u.numel for u in units)  # the tied matrix once, as model.num_params counts it
-    padding = sum(u.shard_size * world - u.numel for u in units)
-    flops_per_step = M.flops_per_token(config, n_params) * cfg.batch_size * config.block_size
-    peak = M.peak_flops(device, cfg.peak_flops)
-    log = M.Logger(cfg, rank)
+            if stage == 1:
+                u.full_grad = [torch.zeros(p.shard_size * world, device=device) for p in u.layout.parts]
+        with C.untracked():
+            gather_full_weights(units, group)  # from the shards, loaded ones included
+    # the weights are arguments, so one compiled block serves every block, whatever its weights
+    compute = SimpleNamespace(block=torch.compile(block_forward) if cfg.compile else block_forward,
+                              head=torch.compile(head_loss) if cfg.compile else head_loss, n_head=config.n_head)
+    live = LiveUnits()
     if rank == 0:
+        n_params = M.param_count(config)
+        shard = sum(p.shard_size for u in units for p in u.layout.parts)
         print(f"fsdp: {world} ranks, ZeRO-{stage}, prefetch {cfg.prefetch}, {n_params / 1e6:.2f}M parameters "
-              f"in {len(units)} units, {sum(u.shard_size for u in units) / 1e6:.2f}M per rank ({padding} padding), "
-              f"{micro} x {config.block_size} tokens per rank per micro-step")
-
-    def batch(step, m, data=train_data, split="train"):
-        first = (rank * cfg.grad_accum + m) * micro  # this rank's contiguous rows of the global batch
-        x, y = M.get_batch(data, cfg.seed, step, cfg.batch_size, config.block_size,
-                           rows=slice(first, first + micro), split=split)
-        return x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-
-    def forward(x, steps, saved=None):
-        """The embedding and the blocks, each on its just-gathered weights. saved: None when
-        evaluating, else a list to fill with what each block's backward needs."""
-        with autocast:
-            with torch.no_grad():
-                h = run(units[0], next(steps), x)
-            for u in units[1:]:
-                w = next(steps)
-                if saved is None or recompute:  # ZeRO-3: the weights go, so keep only the input
-                    if saved is not None:
-                        saved.append(h)
-                    with torch.no_grad():
-                        h = run(u, w, h)
-                else:  # ZeRO-1/2: the weights stay, so autograd may keep what it needs, as usual
-                    h_in, w_in = leaf(h), leaf(w)
-                    out = run(u, w_in, h_in)
-                    saved.append((h_in, w_in, out))
-                    h = out.detach()
-        return h
-
-    def grad_ready(unit, grad):
-        """The unit's full gradient for this micro-step is complete."""
-        if stage == 1:
-            unit.full_grad += grad  # ZeRO-1 keeps it whole, and reduce-scatters once per step
-        else:
-            reduce(unit, grad)
-
-    def micro_step(x, y, scale):
-        ends, blocks = units[0], units[1:]
-        order = [0, *range(1, len(units)), 0, *range(len(blocks), 0, -1)]  # forward, head, backward
-        steps = gather.walk(order)
-        saved = []
-        h = leaf(forward(x, steps, saved))
-        # the head: its forward and backward at once, on one gather of the ends
-        w = leaf(next(steps))
-        with autocast:
-            loss = run(ends, w, h, y)
-        gh, g_ends = torch.autograd.grad(loss * scale, (h, w))  # scale: the mean over all micro-steps
-        for u, s in zip(reversed(blocks), reversed(saved)):
-            w = next(steps)
-            if recompute:
-                h_in, w_in = leaf(s), leaf(w)
-                with autocast:
-                    out = run(u, w_in, h_in)
-            else:
-                h_in, w_in, out = s
-            gh, g = torch.autograd.grad(out, (h_in, w_in), gh)
-            grad_ready(u, g)
-        next(steps, None)  # past the last step: frees block 0
-        # the embedding's backward, without its weights: token t's row of wte and position
-        # p's row of wpe receive the output gradient at every place they were used. The
-        # lookup's gradient is summed apart, then added to the head's, as autograd does
-        # for the tied matrix: the same rounding as the one-process run.
-        v = ends.views(g_ends)
-        gh = gh.to(g_ends.dtype)
-        v["wte.weight"] += torch.zeros_like(v["wte.weight"]).index_add_(0, x.view(-1), gh.reshape(-1, gh.size(-1)))
-        v["wpe.weight"][:x.size(1)] += gh.sum(0)
-        grad_ready(ends, g_ends)  # the tied matrix: head and embedding together, reduced once
-        return loss.detach()
+              f"in {len(units)} units, {shard / 1e6:.2f}M per rank ({shard * world - n_params} padding), "
+              f"{cfg.batch_size // (world * cfg.grad_accum)} x {config.block_size} tokens per rank per micro-step")
 
     @torch.no_grad()
     def evaluate():
@@ -330,83 +561,32 @@ def main(argv=None):
         with C.untracked():  # evaluation's gathers and the loss average are not training traffic
             for k in range(cfg.eval_iters):
                 for m in range(cfg.grad_accum):  # the same rows as a training step: the whole global batch
-                    x, y = batch(k, m, val_data, "val")
-                    steps = gather.walk([*range(len(units)), 0])
-                    h = forward(x, steps)
-                    with autocast:
-                        losses[k, m] = run(units[0], next(steps), h, y)
-                    next(steps, None)
-            C.all_reduce(losses, op="avg")
+                    x, y = M.batch(run, k, "val", m, cfg.grad_accum, C.get_rank(group), C.get_world_size(group))
+                    losses[k, m] = zero3_loss(units, x, y, run, group, live, compute) if stage == 3 \
+                        else zero12_loss(units, x, y, run, compute)
+            C.all_reduce(losses, op="avg", group=group)
         return losses.mean().item()
 
-    for it in range(cfg.max_iters):
-        record = {"iter": it}
-        if cfg.eval_interval and (it % cfg.eval_interval == 0 or it == cfg.max_iters - 1):
-            record["val_loss"] = evaluate()
-        lr = M.get_lr(it, cfg)
-        M.set_lr(optimizer, lr)
-        C.reset_bytes()
-        gather.max_alive = len(gather.alive) if recompute else len(units)
-        t0 = M.timer(device)
-
+    for it in range(run.start_iter, cfg.max_iters):
+        M.begin_iter(run, it, evaluate)
+        live.peak = 0
+        # ---------------------------------------------------------------- the training step
         for u in units:
-            u.grad.zero_()
-            if u.full_grad is not None:
-                u.full_grad.zero_()
-        loss_sum = torch.zeros((), device=device)
-        for m in range(cfg.grad_accum):
-            loss_sum += micro_step(*batch(it, m), 1.0 / cfg.grad_accum) / cfg.grad_accum
-        if stage == 1:
-            for u in units:
-                reduce(u, u.full_grad)
-        reduce.finish()
-
-        norm = 0.0
-        if cfg.grad_clip:
-            # every element lies in exactly one rank's shard (the padding's gradient is 0), so the
-            # sum of the ranks' squared norms is the global one, nothing counted twice
-            sq = torch.stack([u.grad.pow(2).sum() for u in units]).sum()
-            C.all_reduce(sq)
-            norm = sq.sqrt().item()
-            coef = M.clip_coef(norm, cfg.grad_clip)
-            for u in units:
-                u.grad.mul_(coef)
+            for g in u.grads:
+                g.zero_()
+        if stage == 3:
+            loss = zero3_step(units, run, it, group, live, compute)
+        else:
+            loss = zero12_step(units, run, it, stage, group, compute)
+        norm = clip_grad_shards(units, cfg.grad_clip, group) if cfg.grad_clip else 0.0
         optimizer.step()  # on this rank's shards only
-        if stage < 3:  # ZeRO-1/2: every rank needs every unit's updated weights again
-            for u in units:
-                C.all_gather(u.full, u.shard.to(dtype))
-
-        dt = M.timer(device) - t0
-        sent = C.bytes_sent()
-        state = M.tensor_bytes([u.shard for u in units] + [u.grad for u in units]) + M.optimizer_state_bytes(optimizer)
-        state += M.tensor_bytes([t for u in units for t in (u.full, u.full_grad) if t is not None])
-        peak_mem = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
-        rows = C.gather_stats([loss_sum.item(), sent, state, peak_mem, gather.max_alive])  # one row per rank, on rank 0
-        if rank == 0:
-            tokens_per_s = cfg.batch_size * config.block_size / dt
-            record.update(loss=sum(r[0] for r in rows) / world, lr=lr, grad_norm=float(norm), dt_ms=1000 * dt,
-                          tokens_per_s=tokens_per_s, mfu=flops_per_step / dt / (world * peak) if peak else None,
-                          comm_bytes=[int(r[1]) for r in rows], state_bytes=[int(r[2]) for r in rows],
-                          max_gathered_units=[int(r[4]) for r in rows])
-            if device.type == "cuda":
-                record["peak_bytes"] = [int(r[3]) for r in rows]
-        log(record)
-
-    if cfg.save_path:
-        # every unit's full weights, gathered to rank 0 one unit at a time, under GPT's names
-        state = {}
-        with C.untracked():
-            for u in units:
-                full = torch.empty(u.shard_size * world, device=device) if rank == 0 else None
-                C.gather(full, u.shard, dst=0)
-                if rank == 0:
-                    state.update({u.prefix + n: t.cpu().clone() for n, t in u.views(full).items()})
-        if rank == 0:
-            state["lm_head.weight"] = state["transformer.wte.weight"]  # the tie, as GPT's state_dict has it
-            torch.save(state, cfg.save_path)
-    C.shutdown()
-    return log.records
+        if stage < 3:
+            gather_full_weights(units, group)  # every rank needs every unit's updated weights again
+        # ---------------------------------------------------------------- end of the training step
+        M.end_iter(run, loss=loss, grad_norm=norm, state_bytes=state_bytes(units, optimizer),
+                   max_gathered_units=live.peak if stage == 3 else len(units))
+    return M.finish(run)
 
 
 if __name__ == "__main__":
-    main()
+    M.main_guard(main)

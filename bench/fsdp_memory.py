@@ -7,13 +7,17 @@ holds under ZeRO-1, 2 and 3 next to DDP's, for the same model at 2 and 4 ranks.
 
 Every run is a real `torchrun` launch with a deadline; the numbers come from the JSON
 log (rank 0 writes one record per iteration). Time is the median over the iterations
-after --warmup. Sent is what one rank sends per step, next to the formula's figure
-(ZeRO-3: 3(N-1)/N·Ψ, DDP and ZeRO-1/2: 2(N-1)/N·Ψ, Ψ = parameter bytes, padded for the
-ZeRO runs). On CPU ranks over gloo the collectives run on a background thread that
+after --warmup. Sent is what one rank sends per step (the most of any rank), next to
+the figure of the strategy's own formula, traffic_per_rank() (ZeRO-3: 3(N-1)/N·4Ψ, DDP
+and ZeRO-1/2: 2(N-1)/N·4Ψ, Ψ = parameters, padded for the ZeRO runs; an average over
+ranks, which differ by a few bytes of the norm's all-reduce). "gathered" is the most
+units whose full weights existed at once (ZeRO-3: 1 + prefetch; ZeRO-1/2 keep all).
+On CPU ranks over gloo the collectives run on a background thread that
 competes with the compute for the same cores, so what prefetch buys here is small next
 to what it buys on GPUs, where the copy engines and NVLink work beside the SMs.
 """
 import argparse
+import importlib
 import json
 import os
 import statistics
@@ -48,6 +52,15 @@ def launch(script, world, args, log, timeout):
         return [json.loads(line) for line in f if line.strip()]
 
 
+def traffic_formula(script, flags, world):
+    """The strategy's own closed form for the bytes a rank sends per step."""
+    import model as M
+    module = importlib.import_module(script[:-3])
+    cfg = M.parse_args(module.DEFAULTS, flags)
+    _, _, vocab = M.load_data(cfg.data_dir)
+    return module.traffic_per_rank(M.make_config(cfg.model, vocab, cfg.block_size), cfg, world)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
     ap.add_argument("--worlds", default="2,4")
@@ -57,6 +70,7 @@ def main():
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--data_dir", default=os.path.join(ROOT, "data", "shakespeare"))
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--timeout", type=int, default=600)
     a = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
@@ -66,9 +80,9 @@ def main():
             data_dir = make_dataset(os.path.join(tmp, "data"))
         common = [f"--model={a.model}", f"--data_dir={data_dir}", f"--batch_size={a.batch_size}",
                   f"--block_size={a.block_size}", f"--max_iters={a.iters}", "--eval_interval=0",
-                  "--dtype=float32", "--log_interval=0"]
+                  f"--dtype={a.dtype}", "--log_interval=0"]
         print(f"{a.model} preset, batch {a.batch_size}, {a.iters} steps (median after {a.warmup}), "
-              f"float32, CPU ranks over gloo, data {os.path.relpath(data_dir, ROOT)}")
+              f"{a.dtype}, CPU ranks over gloo, data {os.path.relpath(data_dir, ROOT)}")
         header = (f"{'ranks':>5}  {'run':<20}{'ms/step':>9}{'tokens/s':>10}{'sent MB/rank':>14}{'formula MB':>12}"
                   f"{'state MB/rank':>15}{'vs DDP':>8}{'gathered':>10}")
         print(header + "\n" + "-" * len(header), flush=True)
@@ -81,11 +95,9 @@ def main():
                 tok = statistics.median(r["tokens_per_s"] for r in timed)
                 sent, state = max(recs[-1]["comm_bytes"]), max(recs[-1]["state_bytes"])
                 ddp_state = ddp_state or state
-                # the parameter bytes: DDP's state / 4 (16 bytes a parameter); the ZeRO runs pad each
-                # unit to a multiple of N, which the formula column leaves out (at most N-1 elements a unit)
-                psi = ddp_state / 4
-                formula = (3 if label.startswith("ZeRO-3") else 2) * (world - 1) / world * psi
-                gathered = recs[-1].get("max_gathered_units", ["-"])[0]
+                formula = traffic_formula(script, common + flags, world)
+                gathered = recs[-1].get("max_gathered_units", [None])[0]
+                gathered = "-" if gathered is None else f"{gathered:g}"
                 print(f"{world:>5}  {label:<20}{ms:>9.0f}{tok:>10,.0f}{sent / 1e6:>14.2f}{formula / 1e6:>12.2f}"
                       f"{state / 1e6:>15.2f}{state / ddp_state:>8.2f}{gathered:>10}", flush=True)
 
