@@ -1,7 +1,7 @@
 """
-Tensor parallel training (Megatron-LM): every matrix multiply is split across the
-ranks. Each rank holds 1/N of every weight matrix, computes 1/N of every matmul,
-and all ranks work on the whole global batch together.
+Tensor parallel training (Megatron-LM, Shoeybi et al. 2019): every matrix multiply is
+split across the ranks. Each rank holds 1/N of every weight matrix, computes 1/N of
+every matmul, and all ranks work on the whole global batch together.
 
     python tensor_parallel.py                                 # one process (world size 1)
     torchrun --nproc_per_node=2 tensor_parallel.py            # two ranks (CPU processes over gloo, or GPUs over NCCL)
@@ -10,46 +10,70 @@ and all ranks work on the whole global batch together.
 What it splits. Attention: c_attn (q, k and v in one matrix) by output columns, so
 each rank owns whole heads (n_head/N of them) and runs attention on them alone; c_proj
 by input rows. MLP: c_fc by columns (GELU works elementwise, so it stays local), its
-c_proj by rows. A column-parallel layer feeding a row-parallel one needs nothing
-sent in between: each rank's output of the second is a partial sum, added up once at
-the end. The token embedding is split by vocabulary, and the output head, tied to it,
+c_proj by rows. A column-parallel layer feeding a row-parallel one needs nothing sent
+in between: each rank's output of the second is a partial sum, added up once at the
+end. The token embedding is split by vocabulary, and the output head, tied to it,
 gives each rank the logits of its own slice of the vocabulary; the cross-entropy works
 on those slices and never gathers the b x s x V logits. LayerNorms, the biases of the
 row-parallel layers and the position embedding are small: every rank has a copy.
 
 What it sends, and when. Two conjugate operations mark where a parallel region starts
-and where it ends:
-    f   identity forward, all-reduce backward   before c_attn, c_fc and the head
-    g   all-reduce forward, identity backward   after each c_proj and the embedding
+and where it ends (Megatron's f and g):
+    f  copy_to_parallel_region       identity forward, all-reduce backward   before c_attn, c_fc, the head
+    g  reduce_from_parallel_region   all-reduce forward, identity backward   after each c_proj, the embedding
 so each block does 2 all-reduces of b·s·h activations forward and 2 backward, plus one
 for the embedding (forward) and one for the head (backward), plus the loss's 3
 all-reduces of b·s numbers (max, target logit, sum of exp) and one number for the
-gradient norm. A ring all-reduce of S bytes makes each rank send 2(N-1)/N·S, so per
-rank per step:
+gradient norm. Under bf16 autocast f's input is cast to bf16 first (the matmul behind
+it would cast it anyway), so f's backward and the c_proj outputs move bf16; the
+embedding's rows stay float32, as the one-process run keeps them (the residual stream
+is float32). A ring all-reduce of S bytes makes each rank send 2(N-1)/N·S, so per rank
+per step, with d the compute dtype's bytes (4 float32, 2 bfloat16):
 
-    (4L + 2) · 2(N-1)/N · b·s·h·bytes  +  3 all-reduces of b·s floats  +  1 float
+    2(N-1)/N · b·s·h · ((4L + 1)·d + 4)  +  3 all-reduces of b·s floats  +  1 float
 
-(collectives.py all-reduces small messages, under its SMALL_ALL_REDUCE_BYTES, with a
-binomial tree instead: fewer steps, but up to log2(N)·S from one rank; the test counts
-both exactly). Unlike DDP's, this traffic grows with the batch, not the
-model; it sits on the critical path of every layer, forward and backward; and it does
-not shrink as N grows: tensor parallelism is for the fast links inside one node. What
-it buys: each rank holds 1/N of the parameters, gradients and Adam state (16Ψ/N bytes
-in float32, plus the small replicas), and 1/N of the activations inside the regions
-(FORMULAS.md: s·b·h(10 + 24/N + 5as/(hN)) bytes per layer instead of s·b·h(34 + 5as/h)).
+which in float32 is the (4L + 2) · 2(N-1)/N · 4·b·s·h of the README's "The numbers
+behind the strategies". (collectives.py all-reduces messages under its
+SMALL_ALL_REDUCE_BYTES with a binomial tree instead: the same total, unevenly over the
+ranks; the tests count both exactly.) Unlike DDP's, this traffic grows with the batch,
+not the model; it sits on the critical path of every layer, forward and backward; and
+it does not shrink as N grows: tensor parallelism is for the fast links inside one
+node. What it buys: each rank holds 1/N of the parameters, gradients and Adam state
+(16Ψ/N bytes in float32, plus the small replicas), and 1/N of the activations inside
+the regions: s·b·h(10 + 24/N + 5as/(hN)) bytes per layer instead of s·b·h(34 + 5as/h)
+(16-bit activations; Korthikanti et al. 2022, "Reducing activation recomputation").
 
---sequence_parallel=True (Megatron's sequence parallelism). Between the parallel
-regions the LayerNorms, dropouts and residual adds treat each token alone, yet plain
-tensor parallelism repeats them on every rank for every token. With it, each rank
-keeps s/N positions of the sequence there: g becomes a reduce-scatter (sum, and keep
-your positions) and f an all-gather (of the whole sequence), and in backward each is
-the other. The bytes are the same (a ring all-reduce IS a reduce-scatter then an
-all-gather); the LayerNorm and dropout activations shrink N times. (Megatron also drops
+--sequence_parallel=True (Korthikanti et al. 2022). Between the parallel regions the
+LayerNorms, dropouts and residual adds treat each token alone, yet plain tensor
+parallelism repeats them on every rank for every token. With it, each rank keeps s/N
+positions of the sequence there: g becomes reduce_scatter_to_sequence_parallel_region
+(sum, and keep your positions) and f gather_from_sequence_parallel_region (all-gather
+the whole sequence), and in backward each is the other. The bytes are the same (a ring
+all-reduce IS a reduce-scatter then an all-gather; the embedding's pair is float32
+both ways); the LayerNorm and dropout activations shrink N times. (Megatron also drops
 the all-gathered input of c_attn and c_fc after forward and gathers it again in
-backward, for (s·b·h/N)(34 + 5as/h) per layer; here the linear keeps it, for
-simplicity.) The replicated parameters now see only their rank's positions, so their
-gradients are all-reduced once per step: 2(N-1)/N · (6Lh + 2h + block_size·h) · bytes
-more.
+backward, for s·b·h(34 + 5as/h)/N per layer; here the linear keeps it, for simplicity.)
+The replicated parameters now see only their rank's positions, so their gradients
+are all-reduced once per step, in float32: 2(N-1)/N · (6Lh + 2h + block_size·h) · 4 more.
+
+Layout. The residual stream is (s, b, h), sequence first, as in Megatron: a rank's
+sequence-parallel positions are then one contiguous block (rows [r·s/N, (r+1)·s/N)),
+so the all-gathers and reduce-scatters need no copies and no transposes. Attention is
+model.CausalSelfAttention's code on this layout; the one place the layout can cost a
+copy is its output: `y.permute(...).reshape(...)` is a view when SDPA writes y in q's
+(s, b, ...) memory order (the CPU kernels do) and a copy of this rank's b·s·h/N
+attention output when it writes (b, s, ...) (the mirror image of model.py's own
+transpose). Besides it only the b·s target ids are copied (flattened from an (s, b)
+view); f's backward and g's forward reduce in place.
+
+Dropout (0 by default): every rank draws from one seed, so the replicated regions'
+masks agree and the replicas stay equal, but inside a region the ranks' heads draw the
+same masks; Megatron forks a per-rank generator there.
+
+The pieces take the process group they run on (`group`, None = the whole world), so
+that a 3-D layout can run them on its tensor parallel sub-groups: build_model,
+forward (embed_forward, block_forward, head_forward), sum_replicated_grads,
+clip_global_norm, checkpoint_entries.
 """
 import torch
 import torch.nn as nn
@@ -60,96 +84,133 @@ import model as M
 
 DEFAULTS = dict(M.TRAIN_DEFAULTS, sequence_parallel=False)
 
+
+def traffic_per_rank(config, cfg, world):
+    """The docstring's formula: bytes a rank sends per step, on average over the ranks
+    (a ring sends 2(N-1)/N·S from every rank; the tree that small all-reduces take
+    sends the same total, unevenly). Activations travel in the compute dtype, the
+    embedding's rows, the loss's numbers and all gradients of parameters in float32."""
+    dtype = M.auto_dtype() if cfg.dtype == "auto" else cfg.dtype
+    d = 2 if dtype == "bfloat16" else 4
+    ar = 2 * (world - 1) / world  # an all-reduce, or a reduce-scatter plus an all-gather
+    L, h, bs = config.n_layer, config.n_embd, cfg.batch_size * config.block_size
+    total = ar * bs * h * ((4 * L + 1) * d + 4) + 3 * ar * bs * 4 + ar * 4
+    if cfg.sequence_parallel:  # LayerNorms (and their biases), row-parallel biases, ln_f, wpe
+        per_block, final = (6 * h, 2 * h) if config.bias else (2 * h, h)
+        total += ar * (L * per_block + final + config.block_size * h) * 4
+    return total
+
 # -----------------------------------------------------------------------------
-# f and g: where a tensor parallel region starts and ends
+# f and g: where a parallel region starts and ends (the names of Megatron's mappings.py)
+#
+# Each takes the group it runs on and does nothing on a group of one.
 
 
-class Copy(torch.autograd.Function):
+class _CopyToParallelRegion(torch.autograd.Function):
     """f. Entering a region, every rank needs the whole input X, and has it: nothing to
     do. But each rank computes dL/dX through its own slice of the weights only, so the
     true gradient is the sum over the ranks: an all-reduce in backward."""
 
     @staticmethod
-    def forward(ctx, x):
+    def forward(ctx, x, group):
+        ctx.group = group
         return x
 
     @staticmethod
     def backward(ctx, grad):
-        # a copy: autograd may hand this same gradient tensor to the other branch of a sum
-        grad = grad.clone(memory_format=torch.contiguous_format)
-        C.all_reduce(grad)
-        return grad
+        # in place, as Megatron does: grad is the dX that the matmul behind f (c_attn,
+        # c_fc, the head) has just made, and nothing else holds it
+        C.all_reduce(grad, group=ctx.group)
+        return grad, None
 
 
-class Reduce(torch.autograd.Function):
+class _ReduceFromParallelRegion(torch.autograd.Function):
     """g. Leaving a region, each rank holds a partial sum of the output (a row-parallel
     matmul sums over the inner dimension, of which each rank has 1/N): add them up.
     The result, and so its gradient, is then the same on every rank: backward passes
     the gradient through."""
 
     @staticmethod
-    def forward(ctx, x):
-        x = x.clone(memory_format=torch.contiguous_format)  # all_reduce works in place; x is autograd's
-        C.all_reduce(x)
+    def forward(ctx, x, group):
+        C.all_reduce(x, group=group)  # in place: x is the matmul's fresh output
+        ctx.mark_dirty(x)
         return x
 
     @staticmethod
     def backward(ctx, grad):
-        return grad
+        return grad, None
 
 
-# The same pair with sequence parallelism. Outside the regions each rank holds
-# s/N positions, laid out (s/N, b, h) as in Megatron: sequence first, so that a rank's
-# positions are one contiguous block and the collectives need no copies to split them.
-
-
-class Gather(torch.autograd.Function):
-    """f with sequence parallelism: all-gather the sequence (s/N, b, h) -> (s, b, h).
+class _GatherFromSequenceParallelRegion(torch.autograd.Function):
+    """f with sequence parallelism: all-gather the sequence, (s/N, b, h) -> (s, b, h).
     Backward: the gradient for the whole sequence is partial on each rank (as in f),
     and each rank needs only its positions of the sum: a reduce-scatter."""
 
     @staticmethod
-    def forward(ctx, x):
-        out = x.new_empty((C.get_world_size() * x.shape[0], *x.shape[1:]))
-        C.all_gather(out, x.contiguous())
+    def forward(ctx, x, group):
+        ctx.group = group
+        out = x.new_empty((C.get_world_size(group) * x.shape[0], *x.shape[1:]))
+        C.all_gather(out, x, group=group)
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        out = grad.new_empty((grad.shape[0] // C.get_world_size(), *grad.shape[1:]))
-        C.reduce_scatter(out, grad.contiguous())
-        return out
+        out = grad.new_empty((grad.shape[0] // C.get_world_size(ctx.group), *grad.shape[1:]))
+        C.reduce_scatter(out, grad, group=ctx.group)
+        return out, None
 
 
-class ReduceScatter(torch.autograd.Function):
+class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
     """g with sequence parallelism: sum the partial outputs and keep this rank's
     positions, (s, b, h) -> (s/N, b, h). Backward: every rank needs the gradient of the
     whole sequence: an all-gather."""
 
     @staticmethod
-    def forward(ctx, x):
-        out = x.new_empty((x.shape[0] // C.get_world_size(), *x.shape[1:]))
-        C.reduce_scatter(out, x.contiguous())
+    def forward(ctx, x, group):
+        ctx.group = group
+        out = x.new_empty((x.shape[0] // C.get_world_size(group), *x.shape[1:]))
+        C.reduce_scatter(out, x, group=group)
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        out = grad.new_empty((C.get_world_size() * grad.shape[0], *grad.shape[1:]))
-        C.all_gather(out, grad.contiguous())
-        return out
+        out = grad.new_empty((C.get_world_size(ctx.group) * grad.shape[0], *grad.shape[1:]))
+        C.all_gather(out, grad, group=ctx.group)
+        return out, None
 
 
 # torch.compile runs these eagerly (a graph break) and compiles the math in between
 @torch.compiler.disable
-def enter(x, sp):
-    """Into a region: the whole (b, s, h) input on every rank."""
-    return Gather.apply(x).transpose(0, 1) if sp else Copy.apply(x)
+def copy_to_parallel_region(x, group=None):
+    """f: x as it is; its gradient all-reduced over the group."""
+    return x if C.get_world_size(group) == 1 else _CopyToParallelRegion.apply(x, group)
 
 
 @torch.compiler.disable
-def leave(x, sp):
-    """Out of a region: partial sums (b, s, h) -> summed, (b, s, h) or this rank's (s/N, b, h)."""
-    return ReduceScatter.apply(x.transpose(0, 1)) if sp else Reduce.apply(x)
+def reduce_from_parallel_region(x, group=None):
+    """g: the partial sums x all-reduced over the group; the gradient as it is."""
+    return x if C.get_world_size(group) == 1 else _ReduceFromParallelRegion.apply(x, group)
+
+
+@torch.compiler.disable
+def gather_from_sequence_parallel_region(x, group=None):
+    """f with sequence parallelism: (s/N, b, h) all-gathered to (s, b, h); the gradient reduce-scattered."""
+    return x if C.get_world_size(group) == 1 else _GatherFromSequenceParallelRegion.apply(x, group)
+
+
+@torch.compiler.disable
+def reduce_scatter_to_sequence_parallel_region(x, group=None):
+    """g with sequence parallelism: (s, b, h) partial sums reduce-scattered to (s/N, b, h);
+    the gradient all-gathered."""
+    return x if C.get_world_size(group) == 1 else _ReduceScatterToSequenceParallelRegion.apply(x, group)
+
+
+def as_matmul_input(x):
+    """x as autocast hands it to a matmul: in its dtype (bf16) under autocast, else as it
+    is. Cast before f, so that f moves the matmul's dtype, not LayerNorm's float32:
+    the same numbers the one-process run multiplies."""
+    dev = x.device.type
+    return x.to(torch.get_autocast_dtype(dev)) if torch.is_autocast_enabled(dev) else x
 
 # -----------------------------------------------------------------------------
 # the parallel layers, cut from model.py's full units
@@ -157,35 +218,41 @@ def leave(x, sp):
 # nn.Linear stores W as (out_features, in_features) and computes x W^T. Megatron's
 # names come from Y = X A with A = W^T: "column-parallel" splits A's columns, the
 # output features (W's dim 0); "row-parallel" splits A's rows, the input features
-# (W's dim 1). Every sharded parameter is tagged with how it was cut (tp_split), so
-# the run can tell shards from replicas and reassemble the full model to save it.
+# (W's dim 1). Every sharded parameter carries `tp_index`, the part of the global
+# tensor it holds, in the checkpoint's terms: (dim, start, stop), or for c_attn a list
+# of three such slices (this rank's q, k and v rows).
 
 
-def shard(full, dim, rank, world, parts=1):
-    """This rank's slice of `full` along dim. parts=3 for c_attn, whose rows are q, k and
-    v stacked: the rank takes its slice of each, so its local c_attn is
-    [q_local; k_local; v_local] and owns whole heads of all three."""
-    return torch.cat([p.chunk(world, dim)[rank] for p in full.chunk(parts, dim)], dim).clone()
+def shard_index(size, dim, rank, world, parts=1):
+    """This rank's part of a global dimension of `size`: (dim, start, stop). parts=3
+    for c_attn, whose rows are q, k and v stacked: the rank takes its slice of each,
+    so its local c_attn is [q_local; k_local; v_local] and owns whole heads of all three."""
+    part = size // parts
+    n = part // world
+    slices = [(dim, j * part + rank * n, j * part + (rank + 1) * n) for j in range(parts)]
+    return slices if parts > 1 else slices[0]
 
 
-def unshard(pieces, dim, parts=1):
-    """The inverse of shard: the full tensor from every rank's slice (a list by rank)."""
-    return torch.cat([torch.cat([p.chunk(parts, dim)[j] for p in pieces], dim) for j in range(parts)], dim)
+def take(full, index):
+    """The part `index` (from shard_index) of the full tensor, as a new tensor."""
+    slices = index if isinstance(index, list) else [index]
+    return torch.cat([full.narrow(d, a, b - a) for d, a, b in slices], slices[0][0])
 
 
-def sharded_param(full, dim, rank, world, parts=1):
-    p = nn.Parameter(shard(full.detach(), dim, rank, world, parts))
-    p.tp_split = (dim, parts)
+def sharded_param(full, dim, group, parts=1):
+    index = shard_index(full.shape[dim], dim, C.get_rank(group), C.get_world_size(group), parts)
+    p = nn.Parameter(take(full.detach(), index))
+    p.tp_index = index
     return p
 
 
-def column_parallel(linear, rank, world, parts=1):
+def column_parallel(linear, group=None, parts=1):
     """Keep this rank's output features of an nn.Linear (weight rows and bias): it is
     still a plain nn.Linear, on the whole input, giving this rank's part of the output.
     The f in front of it is in block_forward."""
-    linear.weight = sharded_param(linear.weight, 0, rank, world, parts)
+    linear.weight = sharded_param(linear.weight, 0, group, parts)
     if linear.bias is not None:
-        linear.bias = sharded_param(linear.bias, 0, rank, world, parts)
+        linear.bias = sharded_param(linear.bias, 0, group, parts)
     linear.out_features = linear.weight.shape[0]
     return linear
 
@@ -195,36 +262,41 @@ class RowParallelLinear(nn.Module):
     arriving already split the same way (the output of a column-parallel layer). The
     bias is replicated and added after the sum, so that it is added once."""
 
-    def __init__(self, linear, rank, world, sp):
+    def __init__(self, linear, group=None, sp=False):
         super().__init__()
-        self.weight = sharded_param(linear.weight, 1, rank, world)
+        self.weight = sharded_param(linear.weight, 1, group)
         self.bias = nn.Parameter(linear.bias.detach().clone()) if linear.bias is not None else None
-        self.sp = sp
+        self.group = group
+        self.g = reduce_scatter_to_sequence_parallel_region if sp else reduce_from_parallel_region
 
     def forward(self, x):
-        y = leave(F.linear(x, self.weight), self.sp)
+        y = self.g(F.linear(x, self.weight), self.group)
         return y if self.bias is None else y + self.bias
 
 
 class VocabParallelEmbedding(nn.Module):
     """Rows [lo, lo + V/N) of the token embedding. A token outside them gets zeros here;
     the rank that owns it supplies its row, and g's sum puts every token's row in place
-    on every rank. The same matrix is the output head (the tie), so its gradient
-    collects both uses locally: the tie costs no communication."""
+    on every rank (exactly: one rank adds the row, the others zeros). Pass the ids as
+    (s, b), so that the output has the (s, b, h) layout that sequence parallelism cuts
+    along dim 0. The same matrix is the output head (the tie), so its gradient collects
+    both uses locally: the tie costs no communication."""
 
-    def __init__(self, embedding, rank, world, sp):
+    def __init__(self, embedding, group=None, sp=False):
         super().__init__()
-        self.weight = sharded_param(embedding.weight, 0, rank, world)
-        self.lo, self.sp = rank * self.weight.shape[0], sp
+        self.weight = sharded_param(embedding.weight, 0, group)
+        self.lo = self.weight.tp_index[1]
+        self.group = group
+        self.g = reduce_scatter_to_sequence_parallel_region if sp else reduce_from_parallel_region
 
     def forward(self, idx):
         local = idx - self.lo
         outside = (local < 0) | (local >= self.weight.shape[0])
         x = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside[..., None], 0.0)
-        return leave(x, self.sp)
+        return self.g(x, self.group)
 
 
-class VocabParallelCrossEntropy(torch.autograd.Function):
+class _VocabParallelCrossEntropy(torch.autograd.Function):
     """The cross-entropy of logits split by vocabulary, (n, V/N) on each rank, without
     gathering them. loss = log sum_v exp(z_v - m) - (z_target - m) needs three numbers
     per token from the whole vocabulary, each one all-reduce of n values instead of
@@ -232,18 +304,18 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
     0) and the sum of exps. The largest tensor is this rank's (n, V/N)."""
 
     @staticmethod
-    def forward(ctx, logits, target, lo):
+    def forward(ctx, logits, target, lo, group):
         m = logits.max(dim=-1).values
-        C.all_reduce(m, op="max")
+        C.all_reduce(m, op="max", group=group)
         z = logits - m[:, None]  # the one (n, V/N) tensor: exp and softmax below are in place
         local = target - lo
         outside = (local < 0) | (local >= z.shape[1])
         local = local.masked_fill(outside, 0)
         z_target = z.gather(1, local[:, None]).squeeze(1).masked_fill(outside, 0.0)
-        C.all_reduce(z_target)
+        C.all_reduce(z_target, group=group)
         probs = z.exp_()
         sum_exp = probs.sum(dim=-1)
-        C.all_reduce(sum_exp)
+        C.all_reduce(sum_exp, group=group)
         loss = sum_exp.log() - z_target
         probs.div_(sum_exp[:, None])  # softmax over the whole vocabulary, this rank's columns
         ctx.save_for_backward(probs, local, outside)
@@ -255,124 +327,142 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         probs, local, outside = ctx.saved_tensors
         dz = probs * grad[:, None]
         dz.scatter_add_(1, local[:, None], -grad.masked_fill(outside, 0.0)[:, None])
-        return dz, None, None
+        return dz, None, None, None
 
 
 @torch.compiler.disable
-def vocab_parallel_cross_entropy(logits, targets, lo):
-    """Mean cross-entropy over all tokens, in float32, from this rank's (..., V/N) logits."""
-    return VocabParallelCrossEntropy.apply(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), lo).mean()
+def vocab_parallel_cross_entropy(logits, targets, lo, group=None):
+    """Mean cross-entropy over all tokens, in float32, from this rank's (..., V/N) logits
+    of the vocabulary rows [lo, lo + V/N)."""
+    flat = logits.float().reshape(-1, logits.shape[-1])
+    return _VocabParallelCrossEntropy.apply(flat, targets.reshape(-1), lo, group).mean()
 
 # -----------------------------------------------------------------------------
 # the model: each rank's slice of model.GPT(config, seed)
 
 
-def parallel_block(block, rank, world, sp):
+def parallel_block(block, group=None, sp=False):
     """A model.Block cut down to this rank's heads and MLP columns (in place)."""
-    block.attn.c_attn = column_parallel(block.attn.c_attn, rank, world, parts=3)
-    block.attn.c_proj = RowParallelLinear(block.attn.c_proj, rank, world, sp)
-    block.mlp.c_fc = column_parallel(block.mlp.c_fc, rank, world)
-    block.mlp.c_proj = RowParallelLinear(block.mlp.c_proj, rank, world, sp)
+    block.attn.c_attn = column_parallel(block.attn.c_attn, group, parts=3)
+    block.attn.c_proj = RowParallelLinear(block.attn.c_proj, group, sp)
+    block.mlp.c_fc = column_parallel(block.mlp.c_fc, group)
+    block.mlp.c_proj = RowParallelLinear(block.mlp.c_proj, group, sp)
     return block
 
 
-def build_model(config, seed, rank, world, sp):
+def build_model(config, seed, group=None, sp=False):
     """Every unit is built whole from the seed, exactly as model.py builds it, and cut
-    down to this rank's part: the same init as the one-process run, whatever N."""
+    down to this rank's part of the group: the same init as the one-process run,
+    whatever N. Parameter names are model.GPT's."""
     emb = M.build_unit(config, "embed", seed)
     return nn.ModuleDict(dict(transformer=nn.ModuleDict(dict(
-        wte=VocabParallelEmbedding(emb.wte, rank, world, sp),
+        wte=VocabParallelEmbedding(emb.wte, group, sp),
         wpe=emb.wpe,
-        h=nn.ModuleList(parallel_block(M.build_unit(config, i, seed), rank, world, sp) for i in range(config.n_layer)),
+        h=nn.ModuleList(parallel_block(M.build_unit(config, i, seed), group, sp) for i in range(config.n_layer)),
         ln_f=M.build_unit(config, "ln_f", seed)))))
 
 
-def block_forward(block, x, sp):
-    """model.Block.forward with f in view. model.CausalSelfAttention runs unchanged on the
-    rank's heads (it counts them from c_attn's size); each c_proj ends its region with g.
-    That is 2 all-reduces of b·s·h forward (the g's) and 2 backward (the f's) per block."""
-    x = x + block.attn(enter(block.ln_1(x), sp))
-    return x + block.mlp(enter(block.ln_2(x), sp))
+def split_params(model):
+    """(sharded, replicated): the parameters this rank holds a slice of, and those every rank holds whole."""
+    params = list(model.parameters())
+    return [p for p in params if hasattr(p, "tp_index")], [p for p in params if not hasattr(p, "tp_index")]
 
 
-def forward(model, idx, targets, sp=False, dropout=0.0):
-    """The mean loss over every token of the batch, the same on every rank. (Dropout, 0 by
-    default: every rank seeds the same generator, so the masks of the replicated regions
-    agree and the replicas stay equal; inside a region each rank draws for its own heads.)"""
+def attention(attn, x):
+    """model.CausalSelfAttention.forward in the (s, b, h) layout, on this rank's heads
+    (counted from c_attn's size). c_proj is row-parallel: it ends the region with g."""
+    T, B, _ = x.shape
+    q, k, v = attn.c_attn(x).chunk(3, dim=2)  # (s, b, h/N) each: this rank's heads
+    q, k, v = (t.view(T, B, -1, attn.head_dim).permute(1, 2, 0, 3) for t in (q, k, v))  # (b, nh/N, s, hs), views
+    y = F.scaled_dot_product_attention(q, k, v, dropout_p=attn.dropout if attn.training else 0.0, is_causal=True)
+    y = y.permute(2, 0, 1, 3).reshape(T, B, -1)  # a view, or the layout's one copy (see the docstring)
+    return F.dropout(attn.c_proj(y), attn.dropout, attn.training)
+
+
+def embed_forward(wte, wpe, idx, group=None, sp=False, dropout=0.0, training=False):
+    """(b, s) token ids -> the residual stream (s, b, h), or with sequence parallelism
+    this rank's positions (s/N, b, h). g is inside wte: float32 rows, summed exactly."""
+    s = idx.shape[1] // C.get_world_size(group) if sp else idx.shape[1]
+    first = C.get_rank(group) * s if sp else 0
+    pos = torch.arange(first, first + s, device=idx.device)
+    return F.dropout(wte(idx.t()) + wpe(pos)[:, None], dropout, training)
+
+
+def block_forward(block, x, group=None, sp=False):
+    """model.Block.forward with the regions in view: f before each of c_attn and c_fc,
+    g inside each c_proj. 2 all-reduces of b·s·h forward (the g's) and 2 backward (the
+    f's) per block; with sequence parallelism each is a reduce-scatter and an all-gather."""
+    f = gather_from_sequence_parallel_region if sp else copy_to_parallel_region
+    x = x + attention(block.attn, f(as_matmul_input(block.ln_1(x)), group))
+    return x + block.mlp(f(as_matmul_input(block.ln_2(x)), group))
+
+
+def head_forward(ln_f, wte, x, targets, group=None, sp=False):
+    """The final norm, f (the head is column-parallel over the vocabulary), this rank's
+    (s, b, V/N) logits through the tied matrix, and the mean loss over every token."""
+    f = gather_from_sequence_parallel_region if sp else copy_to_parallel_region
+    logits = F.linear(f(as_matmul_input(ln_f(x)), group), wte.weight)
+    return vocab_parallel_cross_entropy(logits, targets.t(), wte.lo, group)
+
+
+def forward(model, idx, targets, group=None, sp=False, dropout=0.0):
+    """The mean loss over every token of the (b, s) batch, the same on every rank of the group."""
     t = model.transformer
-    if sp:  # this rank's positions of the sequence, (s/N, b, h)
-        s = idx.shape[1] // C.get_world_size()
-        pos = torch.arange(C.get_rank() * s, (C.get_rank() + 1) * s, device=idx.device)
-        x = F.dropout(t.wte(idx) + t.wpe(pos)[:, None], dropout, model.training)
-    else:
-        x = M.embed(t.wte, t.wpe, idx, dropout, model.training)  # g inside t.wte
+    x = embed_forward(t.wte, t.wpe, idx, group, sp, dropout, model.training)
     for block in t.h:
-        x = block_forward(block, x, sp)
-    h = enter(t.ln_f(x), sp)             # f: the head is column-parallel over the vocabulary
-    logits = F.linear(h, t.wte.weight)   # (b, s, V/N): this rank's slice, through the tied matrix
-    return vocab_parallel_cross_entropy(logits, targets, t.wte.lo)
+        x = block_forward(block, x, group, sp)
+    return head_forward(t.ln_f, t.wte, x, targets, group, sp)
 
 
-def full_state_dict(model, world):
-    """The whole model on every rank, keys and shapes as model.GPT(config).state_dict():
-    replicas as they are, shards all-gathered and put back together."""
-    state = {}
-    for name, p in model.named_parameters():
-        t = p.detach().contiguous()
-        if hasattr(p, "tp_split"):
-            out = t.new_empty((world, *t.shape))
-            C.all_gather(out, t)
-            t = unshard(list(out.unbind(0)), *p.tp_split)
-        state[name] = t.float().cpu().clone()
-    state["lm_head.weight"] = state["transformer.wte.weight"].clone()  # the tie
-    return state
+def checkpoint_entries(model, group=None):
+    """What this rank saves and loads (model.py, "checkpoints"): each shard with its part
+    of the global tensor; each replica whole, written by the group's first rank only."""
+    first = C.get_rank(group) == 0
+    return [(name, p, getattr(p, "tp_index", None), hasattr(p, "tp_index") or first)
+            for name, p in model.named_parameters()]
 
 # -----------------------------------------------------------------------------
 # the gradient: replicas, and the global norm
 
 
-def sum_replicated_grads(replicated):
+def sum_replicated_grads(replicated, group=None):
     """Sequence parallel only: a replicated parameter (LayerNorm, row-parallel bias,
     position embedding) met only this rank's positions, so its gradient is a partial
-    sum: all-reduce them, all packed in one message."""
+    sum: all-reduce them, all packed in one float32 message."""
+    if C.get_world_size(group) == 1:
+        return
     flat = torch.cat([p.grad.reshape(-1) for p in replicated])
-    C.all_reduce(flat)
+    C.all_reduce(flat, group=group)
     for p, g in zip(replicated, flat.split([p.numel() for p in replicated])):
         p.grad.copy_(g.view_as(p))
 
 
-def clip_global_norm(sharded, replicated, max_norm):
-    """The norm of the whole model's gradient, and clipping by it. Shards: squares summed
-    over all ranks (one all-reduce of one number). Replicas: the same gradient on every
-    rank, so counted once, locally."""
-    sq = torch.stack([p.grad.float().pow(2).sum() for p in sharded]).sum()
-    C.all_reduce(sq)
-    norm = (sq + sum(p.grad.float().pow(2).sum() for p in replicated)).sqrt()
-    coef = M.clip_coef(norm, max_norm)
-    if coef < 1.0:
-        for p in sharded + replicated:
-            p.grad.mul_(coef)
+def grad_sq_norm(sharded, replicated, group=None):
+    """This rank's share of the squared norm of the whole model's gradient: its shards,
+    and the replicas on the group's first rank only (every rank holds the same replica
+    gradient: counted once). Summed over the group, it is the full model's."""
+    sq = [p.grad.float().pow(2).sum() for p in sharded]
+    if C.get_rank(group) == 0:
+        sq += [p.grad.float().pow(2).sum() for p in replicated]
+    return torch.stack(sq).sum()
+
+
+def clip_global_norm(sharded, replicated, max_norm, group=None):
+    """The global gradient norm (one all-reduce of one float32 number), and clipping by
+    it as torch.nn.utils.clip_grad_norm_ does: no host sync, the coefficient stays a tensor."""
+    norm = grad_sq_norm(sharded, replicated, group)
+    C.all_reduce(norm, group=group)
+    norm = norm.sqrt()
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    for p in sharded + replicated:
+        p.grad.mul_(coef)
     return norm
-
-
-def traffic_per_rank(config, cfg, world):
-    """The docstring's formula: bytes a rank sends per step, on average over the ranks
-    (a ring sends 2(N-1)/N·S from every rank; the tree that small all-reduces take
-    sends the same total, unevenly). Activations travel in the compute dtype."""
-    act = 2 if cfg.dtype == "bfloat16" else 4
-    ar = 2 * (world - 1) / world  # an all-reduce, or a reduce-scatter plus an all-gather
-    bs = cfg.batch_size * config.block_size
-    total = (4 * config.n_layer + 2) * ar * bs * config.n_embd * act + 3 * ar * bs * 4 + ar * 4
-    if cfg.sequence_parallel:
-        h = config.n_embd
-        total += ar * (6 * config.n_layer * h + 2 * h + config.block_size * h) * 4
-    return total
 
 
 def main(argv=None):
     cfg = M.parse_args(DEFAULTS, argv, __doc__)
-    rank, world, _, device = C.init_distributed()
-    config, train_data, val_data, autocast = M.setup_run(cfg, device)
+    run = M.start(cfg, "tensor_parallel")
+    rank, world, device, config = run.rank, run.world, run.device, run.config
     sp = cfg.sequence_parallel
     # every rank checks the same things before any communication, so every rank stops
     if config.n_head % world:
@@ -382,85 +472,55 @@ def main(argv=None):
         M.die(f"the padded vocabulary ({config.vocab_size} tokens) does not split over {world} ranks")
     if sp and config.block_size % world:
         M.die(f"--sequence_parallel needs --block_size ({config.block_size}) divisible by {world} ranks")
+    group = None  # the whole world; parallel_3d.py runs the same pieces on a sub-group
 
-    model = build_model(config, cfg.seed, rank, world, sp).to(device)
+    model = build_model(config, cfg.seed, group, sp).to(device)
     params = list(model.parameters())
-    sharded = [p for p in params if hasattr(p, "tp_split")]
-    replicated = [p for p in params if not hasattr(p, "tp_split")]
+    sharded, replicated = split_params(model)
     # AdamW is elementwise, so AdamW on a shard is the full model's AdamW on that slice
     optimizer = M.make_optimizer(model.named_parameters(), cfg, device)
+    run.layout = dict(tensor_parallel=world, sequence_parallel=sp)
+    M.restore(run, checkpoint_entries(model, group), optimizer)
     step_forward = torch.compile(forward) if cfg.compile else forward
-
-    n_params = sum(p.numel() for p in sharded) * world + sum(p.numel() for p in replicated)
-    flops_per_step = M.flops_per_token(config, n_params) * cfg.batch_size * config.block_size
-    peak = M.peak_flops(device, cfg.peak_flops)
-    log = M.Logger(cfg, rank)
     if rank == 0:
+        n_params = sum(p.numel() for p in sharded) * world + sum(p.numel() for p in replicated)
         print(f"tensor_parallel: {world} ranks{', sequence parallel' if sp else ''}, {n_params / 1e6:.2f}M parameters, "
               f"{sum(p.numel() for p in params) / 1e6:.2f}M per rank, {config.n_head // world} heads and "
               f"{config.vocab_size // world} vocabulary rows per rank, {cfg.batch_size} x {config.block_size} tokens")
-
-    def batch(step, data=train_data, split="train"):
-        # the whole global batch on every rank: the ranks split the model, not the data
-        x, y = M.get_batch(data, cfg.seed, step, cfg.batch_size, config.block_size, split=split)
-        return x.to(device, non_blocking=True), y.to(device, non_blocking=True)
 
     @torch.no_grad()
     def evaluate():
         model.eval()
         losses = []
-        with C.untracked():  # the forward's all-reduces: evaluation, not training traffic
+        with C.untracked():  # the forward's collectives: evaluation, not training traffic
             for k in range(cfg.eval_iters):
-                with autocast:
-                    losses.append(step_forward(model, *batch(k, val_data, "val"), sp, config.dropout).item())
+                with run.autocast:
+                    losses.append(step_forward(model, *M.batch(run, k, "val"), group, sp, config.dropout))
         model.train()
-        return sum(losses) / len(losses)  # the same on every rank: nothing to average
+        return torch.stack(losses).mean().item()  # the same on every rank: nothing to average
 
-    for it in range(cfg.max_iters):
-        record = {"iter": it}
-        if cfg.eval_interval and (it % cfg.eval_interval == 0 or it == cfg.max_iters - 1):
-            record["val_loss"] = evaluate()
-        lr = M.get_lr(it, cfg)
-        M.set_lr(optimizer, lr)
-        C.reset_bytes()
-        t0 = M.timer(device)
-
+    for it in range(run.start_iter, cfg.max_iters):
+        M.begin_iter(run, it, evaluate)
+        # ---------------------------------------------------------------- the training step
         optimizer.zero_grad(set_to_none=True)
-        x, y = batch(it)
-        with autocast:
-            loss = step_forward(model, x, y, sp, config.dropout)
+        x, y = M.batch(run, it)  # the whole global batch on every rank: the ranks split the model, not the data
+        with run.autocast:
+            loss = step_forward(model, x, y, group, sp, config.dropout)
         loss.backward()
         # Without sequence parallelism the replicas need nothing: their inputs are
         # replicated (outputs of g) and so are the gradients that reach them (f's
         # all-reduce hands every rank the same sum), so every rank computes the same
         # gradient, takes the same AdamW step, and the copies never drift apart.
         if sp:
-            sum_replicated_grads(replicated)
-        norm = clip_global_norm(sharded, replicated, cfg.grad_clip) if cfg.grad_clip else 0.0
+            sum_replicated_grads(replicated, group)
+        norm = clip_global_norm(sharded, replicated, cfg.grad_clip, group) if cfg.grad_clip else 0.0
         optimizer.step()
-
-        dt = M.timer(device) - t0
-        sent = C.bytes_sent()
+        # ---------------------------------------------------------------- end of the training step
         state = M.tensor_bytes(params) + M.tensor_bytes(p.grad for p in params) + M.optimizer_state_bytes(optimizer)
-        peak_mem = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
-        rows = C.gather_stats([loss.item(), sent, state, peak_mem])  # one row per rank, on rank 0
-        if rank == 0:
-            tokens_per_s = cfg.batch_size * config.block_size / dt
-            record.update(loss=rows[0][0], lr=lr, grad_norm=float(norm), dt_ms=1000 * dt,
-                          tokens_per_s=tokens_per_s, mfu=flops_per_step / dt / (world * peak) if peak else None,
-                          comm_bytes=[int(r[1]) for r in rows], state_bytes=[int(r[2]) for r in rows],
-                          sequence_parallel=sp)
-            if device.type == "cuda":
-                record["peak_bytes"] = [int(r[3]) for r in rows]
-        log(record)
-
-    if cfg.save_path:
-        state = full_state_dict(model, world)  # a collective: every rank takes part
-        if rank == 0:
-            torch.save(state, cfg.save_path)
-    C.shutdown()
-    return log.records
+        run.record["sequence_parallel"] = sp
+        M.end_iter(run, loss=loss.item(), grad_norm=norm, state_bytes=state)
+    return M.finish(run)
 
 
 if __name__ == "__main__":
-    main()
+    M.main_guard(main)
