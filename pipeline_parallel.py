@@ -4,28 +4,32 @@ stage that owns consecutive blocks (the embedding also lives on the first stage,
 the final norm and the head on the last), and the global batch is cut into
 --n_micro micro-batches that flow through the stages like cars down an assembly
 line: while stage 1 works on micro-batch 0, stage 0 already works on micro-batch 1.
+GPipe (Huang et al. 2019) and 1F1B (PipeDream, Narayanan et al. 2019; its flushed,
+synchronous form PipeDream-Flush, Narayanan et al. 2021, is the one here).
 
     python pipeline_parallel.py                                  # one stage: the reference run
     torchrun --nproc_per_node=4 pipeline_parallel.py --n_micro=8 --schedule=1f1b --timeline=True
     torchrun --nproc_per_node=2 pipeline_parallel.py --schedule=gpipe
 
-What it sends, and when. Between neighbours, point to point: for each micro-batch
-of b = batch_size/m sequences of s tokens, the activation (b·s·h floats) goes
-forward across every stage boundary, and its gradient (same size) comes back. A
-step therefore moves 2·m·b·s·h·4 bytes across each of the p-1 boundaries (float32
-activations), whatever m is: stage k < p-1 sends m activations, stage k > 0 sends
-m gradients. Once per step, after the pipeline has drained: the first and the last
-stage each hold a copy of the tied embedding/head matrix (V·h), and sum their two
-gradients in an all-reduce over just those two ranks (each sends V·h·4 bytes: an
-all-reduce at N=2 sends S per rank); and one float, each stage's squared gradient
-norm, is summed over all stages for the clipping. Nothing else: no stage ever sees
-another's weights.
+What it sends, and when. Only neighbours talk, point to point: for each micro-batch
+of b = batch_size/m sequences of s tokens, the activation (b·s·h numbers) goes
+forward across every stage boundary (send_forward / recv_forward), and its gradient
+comes back (send_backward / recv_backward). A step moves 2·m·b·s·h·4 = 2·B·s·h·4
+bytes across each of the p-1 boundaries, whatever m is; float32 under
+--dtype=bfloat16 too, since what crosses is the residual stream, which bf16
+autocast keeps in float32 (only the matmuls' outputs are bf16). Once per step,
+after the pipeline has drained: the first and the last stage each hold a copy of the
+tied embedding/head matrix (V·h) and swap their two gradients to sum them (V·h·4
+bytes each way); and one float, each stage's squared gradient norm, is summed over
+the stages for the clipping. Nothing else: no stage ever sees another's weights.
+traffic_per_rank() states it in code; the README's "The numbers behind the
+strategies" compares it with the other strategies.
 
 The price is the bubble. A stage cannot start micro-batch 0 before the stages in
 front of it have done theirs, and the last backward reaches stage 0 only after
 passing every stage: out of the step's (m+p-1) slots, each stage idles p-1, a
-fraction (p-1)/(m+p-1), for both schedules below (FORMULAS.md). More
-micro-batches shrink it; what the schedule changes is memory:
+fraction (p-1)/(m+p-1), for both schedules below. More micro-batches shrink it;
+what the schedule changes is memory:
 
   gpipe  all m forwards, then all m backwards: every stage holds the activations
          of all m micro-batches at once.
@@ -35,7 +39,7 @@ micro-batches shrink it; what the schedule changes is memory:
          holds more than p of them, however large m is.
 
 Each schedule is a plain list of actions per stage (schedule(), plan()), which the
-training loop executes one by one; simulate() runs all the lists on paper and
+Executor runs one by one; simulate() runs all the lists on paper and
 --timeline=True prints that, and the measured timeline of the last step, so the
 bubble can be seen. On paper, p=4 and m=6 (a forward 1 unit, a backward 2; print
 it with `draw(simulate("gpipe", 4, 6), 27)`):
@@ -48,10 +52,12 @@ it with `draw(simulate("gpipe", 4, 6), 27)`):
 Same length, same 3 idle slots of 9 on every stage; but GPipe's stage 0 holds 6
 micro-batches before its first backward, 1F1B's at most 4.
 """
+import time
+from collections import namedtuple
 from contextlib import nullcontext
+from functools import partial
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 import collectives as C
@@ -59,6 +65,12 @@ import model as M
 
 DEFAULTS = dict(M.TRAIN_DEFAULTS, schedule="1f1b", n_micro=4, timeline=False)
 SCHEDULES = ("gpipe", "1f1b")
+# What crosses a stage boundary, whatever --dtype is. The boundary cuts the residual
+# stream, and under bf16 autocast that stream is float32 in the one-process run too:
+# the embedding, LayerNorm and the residual additions run in float32, and a block adds
+# its bf16 matmul outputs to the float32 stream, which promotes back. Sending bf16
+# would round what the reference keeps, and the loss would drift from it.
+BOUNDARY_DTYPE = torch.float32
 
 # -----------------------------------------------------------------------------
 # the schedules, as data: pure functions, printable and testable without a model
@@ -111,7 +123,7 @@ def plan(name, n_stages, n_micro, stage):
 
 
 def peers(stage, send, recv):
-    """(rank to send to, rank to receive from) for an exchange of plan()."""
+    """(stage to send to, stage to receive from) for an exchange of plan()."""
     dst = None if send is None else stage + 1 if send[0] == "act" else stage - 1
     src = None if recv is None else stage - 1 if recv[0] == "act" else stage + 1
     return dst, src
@@ -210,16 +222,24 @@ def print_timeline(name, n_stages, n_micro, measured):
 
 
 def traffic_per_rank(config, cfg, world):
-    """Bytes a stage sends per step, on average over the stages. Each of the p-1
-    boundaries carries every micro-batch's activation forward and its gradient back:
-    2·m·(b·s·h·4) = 2·B·s·h·4 bytes, whatever m is. The first and the last stage each
-    send the V·h·4 bytes of the tied gradient, and the clipping's one-float all-reduce
-    sends 2(p-1)·4 bytes in all."""
+    """Bytes a stage sends per step, on average over the p stages. What is sent, and
+    in which dtype under each --dtype:
+
+      message                        numbers per step                float32  bfloat16
+      activations, their gradients   2·B·s·h across each of the p-1  float32  float32 (1)
+                                     boundaries (m·b·s·h each way)
+      the tied matrix's gradient     V·h from each of the two ends   float32  float32 (2)
+      the squared gradient norm      1 per stage, all_reduced: a     float32  float32
+                                     tree sends 2(p-1) in all
+    (1) BOUNDARY_DTYPE: the residual stream, which bf16 autocast keeps in float32.
+    (2) autocast computes in bf16 but keeps the parameters and their gradients float32.
+    So a step sends the same bytes under both."""
     if world == 1:
         return 0
-    act = 4 * cfg.batch_size * config.block_size * config.n_embd
-    tie = 4 * config.vocab_size * config.n_embd
-    return (2 * (world - 1) * act + 2 * tie + (2 * (world - 1) * 4 if cfg.grad_clip else 0)) / world
+    act = 2 * (world - 1) * cfg.batch_size * config.block_size * config.n_embd * BOUNDARY_DTYPE.itemsize
+    tie = 2 * config.vocab_size * config.n_embd * 4
+    norm = 2 * (world - 1) * 4 if cfg.grad_clip else 0
+    return (act + tie + norm) / world
 
 # -----------------------------------------------------------------------------
 # the model, cut by depth
@@ -253,9 +273,13 @@ class Stage(nn.Module):
             # the tie. One stage: one matrix, two uses, as in GPT. Several: the last
             # stage cannot use the first stage's matrix, so it holds its own copy of the
             # same init; the two copies stay equal because their gradients are summed
-            # before every step (see the training loop), and AdamW then does the same to both
+            # before every step (sum_tied_grads), and AdamW then does the same to both
             self.lm_head.weight = self.transformer["wte"].weight if self.first else \
                 nn.Parameter(M.build_unit(config, "embed", seed).wte.weight.detach())
+
+    def tied(self):
+        """This stage's copy of the tied embedding/head matrix, None in the middle."""
+        return self.transformer["wte"].weight if self.first else self.lm_head.weight if self.last else None
 
     def forward(self, x, targets=None):
         """Token ids on the first stage, else the previous stage's activation. Returns
@@ -266,6 +290,80 @@ class Stage(nn.Module):
         for i in self.layers:
             x = t.h[str(i)](x)
         return M.head(t.ln_f, self.lm_head.weight, x, targets)[1] if self.last else x
+
+
+def checkpoint_entries(stage, write=True):
+    """What this stage holds, for model.py's checkpoints: each parameter whole, under
+    its global name. The last stage's copy of the tied matrix is the first stage's
+    "transformer.wte.weight" again: not written (the first stage writes it), but loaded,
+    so a resumed run restores both copies, and their Adam moments, from one tensor.
+    write=False makes every entry a replica another rank saves (3-D: a data parallel copy)."""
+    entries = []
+    for name, p in stage.named_parameters():  # one stage: the tie once, as transformer.wte.weight
+        if name == "lm_head.weight":
+            entries.append(("transformer.wte.weight", p, None, False))
+        else:
+            entries.append((name, p, None, write))
+    return entries
+
+# -----------------------------------------------------------------------------
+# the messages
+#
+# Named as picotron and Megatron-LM name them: "forward" is an activation travelling
+# to the next stage, "backward" its gradient travelling back to the previous one.
+# Every exchange of a plan is one of the eight below, and each is one C.sendrecv,
+# which posts its send and its receive together (plan() says why that cannot
+# deadlock). `nb` holds the neighbours' GLOBAL ranks; `group` is the pipeline's.
+
+Neighbours = namedtuple("Neighbours", "prev next")
+
+
+def neighbours(group=None):
+    """The global ranks of the stages before and after this one (None at the ends)."""
+    ranks, me = C.group_ranks(group), C.get_rank(group)
+    return Neighbours(ranks[me - 1] if me > 0 else None, ranks[me + 1] if me + 1 < len(ranks) else None)
+
+
+def send_forward(act, nb, group):
+    C.sendrecv(act, nb.next, None, None, group=group)
+
+
+def recv_forward(buf, nb, group):
+    C.sendrecv(None, None, buf, nb.prev, group=group)
+
+
+def send_backward(grad, nb, group):
+    C.sendrecv(grad, nb.prev, None, None, group=group)
+
+
+def recv_backward(buf, nb, group):
+    C.sendrecv(None, None, buf, nb.next, group=group)
+
+
+def send_forward_recv_backward(act, buf, nb, group):  # 1F1B's steady state, after a forward
+    C.sendrecv(act, nb.next, buf, nb.next, group=group)
+
+
+def send_backward_recv_forward(grad, buf, nb, group):  # ... and after a backward
+    C.sendrecv(grad, nb.prev, buf, nb.prev, group=group)
+
+
+def send_forward_recv_forward(act, buf, nb, group):  # between two forwards
+    C.sendrecv(act, nb.next, buf, nb.prev, group=group)
+
+
+def send_backward_recv_backward(grad, buf, nb, group):  # between two backwards
+    C.sendrecv(grad, nb.prev, buf, nb.next, group=group)
+
+
+# (what an exchange of plan() sends, what it receives) -> the message that does it
+MESSAGES = {("act", None): send_forward, (None, "act"): recv_forward,
+            ("grad", None): send_backward, (None, "grad"): recv_backward,
+            ("act", "grad"): send_forward_recv_backward, ("grad", "act"): send_backward_recv_forward,
+            ("act", "act"): send_forward_recv_forward, ("grad", "grad"): send_backward_recv_backward}
+
+# -----------------------------------------------------------------------------
+# the stage executor
 
 
 def saved_bytes(params):
@@ -283,23 +381,160 @@ def saved_bytes(params):
     return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), seen
 
 
-def gather_state(stage, config, seed, rank, world, device):
-    """The full state_dict on rank 0 (None elsewhere): each other stage sends all its
-    tensors in one flat message, and rank 0 builds a stage of the same shape to know
-    their names and sizes. Bookkeeping: untracked."""
-    mine = stage.state_dict()
+class Executor:
+    """Runs one stage's plan, action by action: its forwards and backwards, and its
+    exchanges with the neighbours. The pipeline is `group` (None: the whole world):
+    this rank is stage C.get_rank(group) of C.get_world_size(group), so the same code
+    runs one pipeline of a larger mesh. `model` is what computes (the stage, or the
+    stage compiled); act_shape is one micro-batch's activation, (b, s, h), of n_micro.
+
+    After run(): peak_held, the most micro-batches held at once (forward done,
+    backward not yet), and peak_bytes, the most bytes autograd held for them."""
+
+    def __init__(self, stage, act_shape, n_micro, autocast=nullcontext(), model=None, group=None):
+        self.stage, self.model, self.autocast, self.group = stage, model or stage, autocast, group
+        self.act_shape, self.n_micro, self.nb = act_shape, n_micro, neighbours(group)
+        self.params = list(stage.parameters())
+        self.device = self.params[0].device
+        self.count_saved = model is None  # compiled graphs don't take saved-tensor hooks
+
+    def run(self, actions, batch, train=True, stamps=None):
+        """Execute a plan. batch(m) -> (inputs, targets) of micro-batch m. stamps: a list
+        that gets (M.now(), M.now()) around each forward and backward (CUDA events on a
+        GPU: the CPU does not wait). -> the micro-batches' losses on the last stage, [] elsewhere."""
+        self.inbox, self.outbox, self.held, self.losses = {}, {}, {}, []  # held: m -> (input, output, bytes)
+        self.peak_held = self.peak_bytes = 0
+        for action in actions:
+            if action[0] == "X":
+                self.exchange(action[1], action[2])
+                continue
+            start = M.now(self.device) if stamps is not None else None
+            if action[0] == "F":
+                self.forward(action[1], batch, train)
+            else:
+                self.backward(action[1])
+            if stamps is not None:
+                stamps.append((start, M.now(self.device)))
+        return self.losses
+
+    def exchange(self, send, recv):
+        """One ("X", send, recv) of the plan: what the last action produced goes out,
+        what the next one needs comes in, as one message pair (e.g. [>a3 <g1] is
+        send_forward_recv_backward)."""
+        message = MESSAGES[send and send[0], recv and recv[0]]
+        out = [self.outbox.pop(send)] if send else []
+        buf = [torch.empty(self.act_shape, dtype=BOUNDARY_DTYPE, device=self.device)] if recv else []
+        message(*out, *buf, self.nb, self.group)
+        if recv:
+            self.inbox[recv] = buf[0]
+
+    def forward(self, m, batch, train):
+        stage = self.stage
+        x, y = batch(m) if stage.first or stage.last else (None, None)  # the middle needs no tokens
+        inp = x if stage.first else self.inbox.pop(("act", m)).requires_grad_(train)
+        counting, saved = saved_bytes(self.params) if train and self.count_saved else (nullcontext(), {})
+        with self.autocast, counting:
+            out = self.model(inp, y)
+        if stage.last:
+            self.losses.append(out.detach())
+            out = out / self.n_micro  # each micro-batch's mean, scaled: their sum is the global batch's mean
+        else:
+            self.outbox[("act", m)] = out.detach().to(BOUNDARY_DTYPE)  # a no-op: the stream is float32
+        if train:
+            self.held[m] = (inp, out, sum(saved.values()))
+            self.peak_held = max(self.peak_held, len(self.held))
+            self.peak_bytes = max(self.peak_bytes, sum(h[2] for h in self.held.values()))
+
+    def backward(self, m):
+        inp, out, _ = self.held.pop(m)
+        out.backward(None if self.stage.last else self.inbox.pop(("grad", m)))
+        if not self.stage.first:
+            self.outbox[("grad", m)] = inp.grad
+
+# -----------------------------------------------------------------------------
+# after the pipeline drains: the tie, the norm
+
+
+def sum_tied_grads(stage, group=None):
+    """The first and the last stage of the pipeline `group` each hold a copy of the tied
+    matrix with half its gradient: the embedding's use on the first, the head's on the
+    last. The true gradient is the sum; both copies take it, so the same AdamW step
+    keeps them equal. The two ends swap their halves (one C.sendrecv, V·h each way) and
+    add: g_first + g_last on one end, g_last + g_first on the other, the same bits.
+
+    Why a swap, not an all_reduce over a group of the two ends: that group would have to
+    be created by every rank of the world, in the same order (dist.new_group), and before
+    torch 2.5 NCCL built its communicator lazily on the members and eagerly on the others,
+    so a pipeline of 3+ stages hung in the creation. The swap needs no group but the
+    pipeline's own, and sends the same bytes (an all_reduce of S at N=2 sends S per rank)."""
+    ranks = C.group_ranks(group)
+    if len(ranks) == 1 or stage.tied() is None:
+        return  # one stage: one matrix, whose two uses autograd already summed
+    mine = stage.tied().grad
+    theirs = torch.empty_like(mine)
+    other_end = ranks[-1] if stage.first else ranks[0]
+    C.sendrecv(mine, other_end, theirs, other_end, group=group)
+    mine += theirs
+
+
+def clip_global_norm(stage, max_norm, group=None):
+    """Clip every gradient by the norm of the whole model's: each stage sums the squares
+    of its own gradients (the tied matrix once: on the first stage, not the last stage's
+    copy), and one all_reduce of that float over the pipeline `group` adds them up.
+    The scale is applied on the device, as torch.nn.utils.clip_grad_norm_ does, so the
+    CPU need not wait for the norm. -> the norm, a tensor (0.0 with max_norm=0)."""
+    if not max_norm:
+        return 0.0
+    params = list(stage.parameters())
+    copy = stage.tied() if stage.last and not stage.first else None
+    sq = torch.zeros((), device=params[0].device)
+    for p in params:
+        if p is not copy:
+            sq += p.grad.float().pow(2).sum()
+    C.all_reduce(sq, op="sum", group=group)
+    norm = sq.sqrt()
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    for p in params:
+        p.grad.mul_(coef)
+    return norm
+
+# -----------------------------------------------------------------------------
+# measuring the bubble
+
+
+def action_times(stamps, device):
+    """The stamps of one step as (start, end) in seconds of the wall clock, which is
+    common to the ranks (and, NTP-synchronized, roughly to the machines). On a GPU a
+    stamp is a CUDA event, recorded without waiting; they are read here, once, at the
+    end of the step: wait for one last event, read the clock, date each event back."""
+    last = M.now(device)
+    M.elapsed(last, last)  # the step's one wait for the device (end_iter would wait here anyway)
+    wall = time.time()
+    return [(wall - M.elapsed(a, last), wall - M.elapsed(b, last)) for a, b in stamps]
+
+
+def idle_fraction(times, device, group=None):
+    """The share of the step this stage waited: 1 - busy / span, the span being the whole
+    pipeline's (the first forward anywhere to the last backward anywhere), agreed on by one
+    all_reduce(max) of two numbers over `group`. Bookkeeping, not training traffic."""
+    edges = torch.tensor([-times[0][0], times[-1][1]], dtype=torch.float64, device=device)
     with C.untracked():
-        if rank != 0:
-            C.send(torch.cat([v.detach().reshape(-1) for v in mine.values()]), dst=0)
-            return None
-        full = {k: v.detach().cpu().clone() for k, v in mine.items()}
-        for s in range(1, world):
-            shapes = Stage(config, s, world, seed).state_dict()
-            flat = torch.empty(sum(v.numel() for v in shapes.values()), device=device)
-            C.recv(flat, src=s)
-            for (k, v), piece in zip(shapes.items(), flat.split([v.numel() for v in shapes.values()])):
-                full[k] = piece.view(v.shape).cpu().clone()
-    return full
+        C.all_reduce(edges, op="max", group=group)
+    return 1 - sum(b - a for a, b in times) / edges.sum().item()
+
+
+def gather_timelines(times, name, n_micro, device, group=None):
+    """Every stage's measured [((kind, m), start, end)] on the pipeline's first rank (None
+    elsewhere), for --timeline. Bookkeeping, not training traffic."""
+    ranks, me = C.group_ranks(group), C.get_rank(group)
+    mine = torch.tensor(times, dtype=torch.float64, device=device).view(-1)
+    rows = torch.empty(len(ranks) * mine.numel(), dtype=torch.float64, device=device) if me == 0 else None
+    with C.untracked():
+        C.gather(rows, mine, ranks[0], group=group)
+    if me != 0:
+        return None
+    return [[(a, t0, t1) for a, (t0, t1) in zip(schedule(name, len(ranks), n_micro, s), row.view(-1, 2).tolist())]
+            for s, row in enumerate(rows.view(len(ranks), -1))]
 
 # -----------------------------------------------------------------------------
 # the run
@@ -313,150 +548,63 @@ def main(argv=None):
         M.die("--n_micro must be at least 1")
     if cfg.batch_size % cfg.n_micro:
         M.die(f"--batch_size={cfg.batch_size} does not divide into --n_micro={cfg.n_micro} micro-batches")
-    rank, world, _, device = C.init_distributed()
-    config, train_data, val_data, autocast = M.setup_run(cfg, device)
+    run = M.start(cfg, "pipeline")
+    rank, world, device, config = run.rank, run.world, run.device, run.config
     if world > config.n_layer:
         M.die(f"{world} stages but the model has {config.n_layer} blocks: each stage needs at least one")
-    b, n_micro = cfg.batch_size // cfg.n_micro, cfg.n_micro  # sequences per micro-batch
-    act_shape = (b, config.block_size, config.n_embd)  # what crosses a stage boundary, each way
+    group = None  # the whole world is one pipeline; parallel_3d.py runs these pieces on a sub-group
+    n_stages, me, last_rank = C.get_world_size(group), C.get_rank(group), C.group_ranks(group)[-1]
+    n_micro, bubble = cfg.n_micro, (n_stages - 1) / (cfg.n_micro + n_stages - 1)
+    run.layout = dict(stages=n_stages, schedule=cfg.schedule)
 
-    stage = Stage(config, rank, world, cfg.seed).to(device)
-    # the tied matrix's two copies meet in a group of just the first and last stage
-    # (new_group must be called by every rank, even those outside the group)
-    tie_group = dist.new_group([0, world - 1]) if world > 1 else None
-    tied = stage.lm_head.weight if stage.last else stage.transformer["wte"].weight if stage.first else None
+    stage = Stage(config, me, n_stages, cfg.seed).to(device)
     params = list(stage.parameters())  # a tensor used twice (one stage: the tie) is listed once
-    # the global norm counts the tied matrix once: on the first stage, not the last stage's copy
-    norm_params = [p for p in params if not (p is tied and stage.last and not stage.first)]
     optimizer = M.make_optimizer(stage.named_parameters(), cfg, device)
-    step_stage = torch.compile(stage) if cfg.compile else stage
-
-    n_params = M.param_count(config)  # the whole model's, the tie counted once
-    flops_per_step = M.flops_per_token(config, n_params) * cfg.batch_size * config.block_size
-    peak = M.peak_flops(device, cfg.peak_flops)
-    bubble = (world - 1) / (n_micro + world - 1)
-    log = M.Logger(cfg, rank)
+    M.restore(run, checkpoint_entries(stage), optimizer)  # both copies of the tied matrix are loaded
+    act_shape = (cfg.batch_size // n_micro, config.block_size, config.n_embd)  # crosses a boundary, each way
+    executor = Executor(stage, act_shape, n_micro, run.autocast, torch.compile(stage) if cfg.compile else None, group)
+    train_plan, eval_plan = plan(cfg.schedule, n_stages, n_micro, me), plan("forward", n_stages, n_micro, me)
     if rank == 0:
-        blocks = [len(stage_layers(config.n_layer, world, s)) for s in range(world)]
-        print(f"pipeline: {world} stages with {blocks} blocks, schedule {cfg.schedule}, {n_micro} micro-batches "
-              f"of {b} x {config.block_size} tokens, {n_params / 1e6:.2f}M parameters, bubble (p-1)/(m+p-1) = "
-              f"{bubble:.1%}")
-    train_plan, eval_plan = plan(cfg.schedule, world, n_micro, rank), plan("forward", world, n_micro, rank)
-
-    def micro_batch(step, m, data, split):
-        x, y = M.get_batch(data, cfg.seed, step, cfg.batch_size, config.block_size,
-                           rows=slice(m * b, (m + 1) * b), split=split)
-        return x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-
-    def run(step, actions, data, split, train=True):
-        """Execute one plan. -> (the losses of the micro-batches on the last stage,
-        [(start, end)] of each compute action, peak micro-batches held, peak bytes held)."""
-        inbox, outbox, held = {}, {}, {}  # received tensors, tensors to send, micro-batches awaiting backward
-        losses, events, live_bytes, peak_held, peak_bytes = [], [], {}, 0, 0
-        for action in actions:
-            if action[0] == "X":
-                _, send, recv = action
-                dst, src = peers(rank, send, recv)
-                buf = torch.empty(act_shape, device=device) if recv else None
-                C.sendrecv(outbox.pop(send) if send else None, dst, buf, src)
-                if recv:
-                    inbox[recv] = buf
-                continue
-            kind, m = action
-            start = M.timer(device)
-            if kind == "F":
-                x, y = micro_batch(step, m, data, split)
-                inp = x if stage.first else inbox.pop(("act", m)).requires_grad_(train)
-                counting, saved = saved_bytes(params) if train and not cfg.compile else (nullcontext(), {})
-                with autocast, counting:
-                    out = step_stage(inp, y)
-                if stage.last:
-                    losses.append(out.detach())
-                    out = out / n_micro  # each micro-batch's mean, scaled: their sum is the global batch's mean
-                else:
-                    outbox[("act", m)] = out.detach().float()  # float32 across the boundary, autocast or not
-                if train:
-                    held[m], live_bytes[m] = (inp, out), sum(saved.values())
-                    peak_held, peak_bytes = max(peak_held, len(held)), max(peak_bytes, sum(live_bytes.values()))
-            else:
-                inp, out = held.pop(m)
-                del live_bytes[m]
-                out.backward(None if stage.last else inbox.pop(("grad", m)))
-                if not stage.first:
-                    outbox[("grad", m)] = inp.grad
-            events.append((start, M.timer(device)))
-        return losses, events, peak_held, peak_bytes
+        blocks = [len(stage_layers(config.n_layer, n_stages, s)) for s in range(n_stages)]
+        print(f"pipeline: {n_stages} stages with {blocks} blocks, schedule {cfg.schedule}, {n_micro} micro-batches "
+              f"of {act_shape[0]} x {config.block_size} tokens, {M.param_count(config) / 1e6:.2f}M parameters, "
+              f"bubble (p-1)/(m+p-1) = {bubble:.1%}")
 
     @torch.no_grad()
     def evaluate():
         stage.eval()
+        losses = []
         with C.untracked():  # bookkeeping, not training traffic
-            losses = [loss for k in range(cfg.eval_iters) for loss in run(k, eval_plan, val_data, "val", False)[0]]
+            for k in range(cfg.eval_iters):  # the same rows as a training step: the whole global batch
+                losses += executor.run(eval_plan, partial(M.batch, run, k, "val", n_micro=n_micro), train=False)
             loss = torch.stack(losses).mean() if stage.last else torch.zeros((), device=device)
-            C.broadcast(loss, src=world - 1)  # only the last stage has it
+            C.broadcast(loss, src=last_rank, group=group)  # only the last stage has it
         stage.train()
         return loss.item()
 
-    last_timelines = None
-    for it in range(cfg.max_iters):
-        record = {"iter": it}
-        if cfg.eval_interval and (it % cfg.eval_interval == 0 or it == cfg.max_iters - 1):
-            record["val_loss"] = evaluate()
-        lr = M.get_lr(it, cfg)
-        M.set_lr(optimizer, lr)
-        C.reset_bytes()
-        t0 = M.timer(device)
-
+    measured = None
+    for it in range(run.start_iter, cfg.max_iters):
+        M.begin_iter(run, it, evaluate)
+        # ---------------------------------------------------------------- the training step
         optimizer.zero_grad(set_to_none=True)
-        losses, events, peak_held, peak_bytes = run(it, train_plan, train_data, "train")
-        if world > 1 and tied is not None:
-            # each copy of the tied matrix has only half its gradient: the embedding's
-            # use on the first stage, the head's on the last. The true gradient is the
-            # sum; both copies take it, so the same AdamW step keeps them equal
-            C.all_reduce(tied.grad, op="sum", group=tie_group)
-        norm = 0.0
-        if cfg.grad_clip:
-            # each stage has the squared norm of its own gradients; their sum is the global one
-            sq = torch.zeros((), device=device)
-            for p in norm_params:
-                sq += p.grad.float().pow(2).sum()
-            C.all_reduce(sq, op="sum")
-            norm = sq.sqrt().item()
-            for p in params:
-                p.grad.mul_(M.clip_coef(norm, cfg.grad_clip))
+        stamps = []  # around each forward and backward: the measured bubble, and --timeline
+        losses = executor.run(train_plan, partial(M.batch, run, it, "train", n_micro=n_micro), stamps=stamps)
+        sum_tied_grads(stage, group)
+        norm = clip_global_norm(stage, cfg.grad_clip, group)
         optimizer.step()
-
-        dt = M.timer(device) - t0
-        sent = C.bytes_sent()
+        # ---------------------------------------------------------------- end of the training step
+        times = action_times(stamps, device)
+        if cfg.timeline and it == cfg.max_iters - 1:
+            measured = gather_timelines(times, cfg.schedule, n_micro, device, group)
         state = M.tensor_bytes(params) + M.tensor_bytes(p.grad for p in params) + M.optimizer_state_bytes(optimizer)
-        peak_mem = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
-        loss = torch.stack(losses).mean().item() if stage.last else 0.0
-        rows = C.gather_stats([loss, sent, state, peak_mem, peak_held, peak_bytes] + [t for e in events for t in e])
-        if rank == 0:
-            # every stage's (start, end) of each compute action, on the machines' common clock
-            timelines = [[(a, r[6 + 2 * i], r[7 + 2 * i]) for i, a in
-                          enumerate(x for x in plan(cfg.schedule, world, n_micro, s) if x[0] != "X")]
-                         for s, r in enumerate(rows)]
-            record.update(loss=rows[-1][0], lr=lr, grad_norm=float(norm), dt_ms=1000 * dt,
-                          tokens_per_s=cfg.batch_size * config.block_size / dt,
-                          mfu=flops_per_step / dt / (world * peak) if peak else None,
-                          comm_bytes=[int(r[1]) for r in rows], state_bytes=[int(r[2]) for r in rows],
-                          idle_frac=idle_fractions(timelines), bubble_theory=bubble,
-                          peak_micro=[int(r[4]) for r in rows], act_bytes=[int(r[5]) for r in rows])
-            if device.type == "cuda":
-                record["peak_bytes"] = [int(r[3]) for r in rows]
-            last_timelines = timelines
-        log(record)
-
-    if cfg.timeline and rank == 0:
-        print_timeline(cfg.schedule, world, n_micro, last_timelines)
-    if cfg.save_path:
-        state = gather_state(stage, config, cfg.seed, rank, world, device)
-        if rank == 0:
-            torch.save(state, cfg.save_path)
-    C.shutdown()
-    return log.records
+        run.record["bubble_theory"] = bubble  # one number for the run, not one per rank
+        M.end_iter(run, loss=torch.stack(losses).mean() if losses else 0.0, grad_norm=norm, state_bytes=state,
+                   loss_ranks=[last_rank], idle_frac=idle_fraction(times, device, group),
+                   peak_micro=executor.peak_held, act_bytes=executor.peak_bytes)
+    if measured is not None:
+        print_timeline(cfg.schedule, n_stages, n_micro, measured)
+    return M.finish(run)
 
 
 if __name__ == "__main__":
-    main()
+    M.main_guard(main)

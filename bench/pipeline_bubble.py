@@ -41,8 +41,9 @@ def run(schedule, p, m, args, tmp):
     records = [json.loads(line) for line in open(log)]
     steady = records[2:] or records
     idle = [statistics.mean(r["idle_frac"][s] for r in steady) for s in range(p)]
-    return dict(idle=idle, theory=records[-1]["bubble_theory"], ms=statistics.median(r["dt_ms"] for r in steady),
-                held=records[-1]["peak_micro"], act_mb=[b / 2**20 for b in records[-1]["act_bytes"]]), None
+    last = records[-1]
+    return dict(idle=idle, theory=last["bubble_theory"], ms=statistics.median(r["dt_ms"] for r in steady),
+                held=[int(h) for h in last["peak_micro"]], act_mb=[b / 2**20 for b in last["act_bytes"]]), None
 
 
 def main():
