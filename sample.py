@@ -1,0 +1,105 @@
+"""
+Text from a trained model: load any checkpoint (written by any strategy, at any world
+size) into one model.GPT on one device, and sample from it, as nanoGPT's sample.py does.
+
+    python sample.py --out_dir=out                       # the newest checkpoint in out/
+    python sample.py --ckpt=out/step_000150 --start="ROMEO:" --num_samples=3 --max_new_tokens=200
+
+A checkpoint holds each rank's pieces of the model (see model.py, "checkpoints"); here
+they are put back together into the full tensors, so a model trained with tensor
+parallelism on 4 GPUs samples on a laptop. The text is GPT-2's BPE, as data/prepare.py
+wrote it; a data folder with its own meta.json vocabulary but no tokenizer prints ids.
+"""
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+import model as M
+
+DEFAULTS = dict(
+    ckpt="",               # a checkpoint folder (step_XXXXXX); or:
+    out_dir="",            # the newest checkpoint in this folder
+    start="\n",            # the prompt; FILE:path reads it from a file
+    num_samples=2,
+    max_new_tokens=200,
+    temperature=0.8,       # < 1 sharper, > 1 more random
+    top_k=200,             # keep only the k likeliest tokens (0: all)
+    seed=1337,
+    device="auto",         # auto: cuda if available, else cpu
+    dtype="auto",          # float32 | bfloat16 | auto
+)
+
+
+@torch.no_grad()
+def generate(model, idx, max_new_tokens, temperature=1.0, top_k=0, vocab_size=None):
+    """Append max_new_tokens tokens to idx (b, t), one at a time, each drawn from the
+    softmax of the last position's logits; the context is cropped to block_size."""
+    for _ in range(max_new_tokens):
+        context = idx[:, -model.config.block_size:]
+        logits, _ = model(context)
+        logits = logits[:, -1, :].float() / max(temperature, 1e-6)
+        if vocab_size:
+            logits[:, vocab_size:] = -float("inf")  # the padding rows of the vocabulary are never tokens
+        if top_k:
+            kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
+            logits[logits < kth] = -float("inf")
+        idx = torch.cat((idx, torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)), dim=1)
+    return idx
+
+
+def encoding():
+    """GPT-2's BPE, found offline the way data/prepare.py finds it; None if it cannot be."""
+    try:
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "data"))
+        import prepare
+        return prepare.get_encoding()
+    except Exception:
+        return None
+
+
+def main(argv=None):
+    cfg = M.parse_args(DEFAULTS, argv, __doc__)
+    folder = cfg.ckpt
+    if not folder:
+        if not cfg.out_dir:
+            M.die("pass --ckpt=FOLDER (a step_XXXXXX checkpoint) or --out_dir=FOLDER (its newest)")
+        done = M.checkpoints(cfg.out_dir)
+        if not done:
+            M.die(f"no complete checkpoint in {cfg.out_dir}")
+        folder = done[-1]
+    if not os.path.isdir(folder):
+        M.die(f"--ckpt={folder}: no such folder")
+    if cfg.max_new_tokens < 0 or cfg.num_samples < 1 or cfg.temperature <= 0:
+        M.die("--max_new_tokens must be >= 0, --num_samples >= 1 and --temperature > 0")
+    device = torch.device("cuda" if cfg.device == "auto" and torch.cuda.is_available() else
+                          "cpu" if cfg.device == "auto" else cfg.device)
+    dtype = M.auto_dtype() if cfg.dtype == "auto" else cfg.dtype
+
+    state, manifest = M.load_full_state(folder)
+    config = M.GPTConfig(**manifest["model"])
+    model = M.GPT(config).to(device)
+    model.load_state_dict(state)
+    model.eval()
+    vocab_size = manifest.get("vocab_size", M.GPT2_VOCAB)  # the data's, before padding
+    print(f"{folder}: step {manifest['step']}, written by {manifest['strategy']} on {manifest['world']} ranks, "
+          f"{M.param_count(config) / 1e6:.2f}M parameters", file=sys.stderr)
+
+    enc = encoding() if vocab_size == M.GPT2_VOCAB else None
+    start = open(cfg.start[5:]).read() if cfg.start.startswith("FILE:") else cfg.start
+    ids = enc.encode(start, allowed_special={"<|endoftext|>"}) if enc else [0]
+    if not ids:
+        ids = [M.GPT2_VOCAB - 1]  # <|endoftext|>: GPT-2's start of a document
+    torch.manual_seed(cfg.seed)
+    ctx = torch.autocast(device.type, dtype=torch.bfloat16) if dtype == "bfloat16" else torch.no_grad()
+    x = torch.tensor([ids], dtype=torch.long, device=device)
+    for k in range(cfg.num_samples):
+        with ctx:
+            y = generate(model, x, cfg.max_new_tokens, cfg.temperature, cfg.top_k, vocab_size)[0].tolist()
+        print(enc.decode(y) if enc else " ".join(map(str, y)))
+        print("---------------")
+
+
+if __name__ == "__main__":
+    main()
