@@ -3,11 +3,11 @@ Single-device training speed of model.py: tokens/s and MFU of the one-process
 ddp.py run (the whole training step: forward, backward, clipping, fused AdamW).
 
     python bench/speed.py                    # GPU: gpt2 (124M), 16 x 1024, bf16, compiled
-    python bench/speed.py --model small      # anything ddp.py accepts can follow
+    python bench/speed.py --model=small      # any ddp.py flag can follow and overrides these
 
 On one H200, nanoGPT's train.py ran GPT-2 124M at about 490k tokens/s with these
-settings (DESIGN.md): that is the figure to beat. On a CPU it runs a few
-iterations of a short sequence, just to show the numbers.
+settings (README, "Speed on one GPU"): that is the figure to beat. On a CPU it runs
+a few iterations of a short sequence, just to show the numbers.
 """
 import os
 import statistics
@@ -21,6 +21,9 @@ import ddp  # noqa: E402
 
 
 def main():
+    if any(a in ("-h", "--help") for a in sys.argv[1:]):
+        print(__doc__.strip() + "\n\nEvery other flag is ddp.py's (python ddp.py --help).")
+        return
     if torch.cuda.is_available():
         args = ["--model=gpt2", "--batch_size=16", "--block_size=1024", "--max_iters=40", "--compile=True",
                 "--dtype=bfloat16"]
