@@ -1,0 +1,350 @@
+"""
+Expert parallelism: the mixture-of-experts GPT (model.py, --n_expert=E) with its
+experts split over the ranks, E/N each, and everything else replicated as in DDP.
+
+    python ddp.py --n_expert=4                                  # one process: the reference run
+    torchrun --nproc_per_node=2 expert_parallel.py --n_expert=4
+    torchrun --nproc_per_node=4 expert_parallel.py --n_expert=8 --top_k=1 --capacity_factor=1.25
+
+Every rank takes its contiguous rows of the global batch, as in ddp.py, and runs
+attention and the routers on them itself. At each MoE layer a rank's tokens must
+reach the ranks that hold the experts they chose, and come back:
+
+  route     each token's top_k experts and weights, on its own rank
+  counts    an all-gather of every rank's (E, k) choice counts, so every rank knows
+            how many rows it will receive from whom, and can apply the capacity
+            rule to the global order (Megatron-Core's all-to-all dispatcher gathers
+            them the same way)
+  dispatch  an all-to-all of unequal splits: rows grouped by expert, so by rank
+  experts   each local expert on its rows, from every rank, in global token order
+  combine   the reverse all-to-all brings the outputs home; the router weights
+            mix them there. Backward is the same two all-to-alls, reversed.
+
+An expert's gradient arrives through these all-to-alls from every rank's tokens, so
+it is never all-reduced: each rank already holds the sum over all tokens (divided
+by N here, since each rank's loss is the mean over its own rows). The replicated
+weights' gradients are averaged with one all-reduce a step.
+
+What it sends per MoE layer and step, a rank routing n = b·s/N tokens to k experts,
+h wide, B bytes a number (4; 2 under bf16 autocast, which the rows travel in):
+  counts                  (N-1)·E·k·8 bytes
+  the four all-to-alls    2·(rows sent + rows received)·h·B exactly, from the step's
+                          routing; under uniform routing a rank keeps 1/N of its n·k
+                          choices and sends the rest: (N-1)/N·n·k·h·B per all-to-all,
+                          4(N-1)/N·n·k·h·B in all
+--dispatch=allreduce, the simple alternative: every rank gathers the whole global
+micro-batch (an all-gather of the N·n tokens and of their routing), runs its experts
+on the choices routed to them, and a reduce-scatter sums the partial outputs back to
+their ranks (each is nonzero on one rank only); backward, the same pair reversed:
+                          2(N-1)·n·h·B·(1+k) + (N-1)·n·k·8 bytes,
+N(1+k)/(2k) times the all-to-all's (3x at N = 4, k = 2), and growing with N.
+Plus once a step: the replicated gradients' all-reduce, 2(N-1)/N·4Ψ_replicated, and
+one float for the gradient norm. --capacity_factor applies GShard's drop rule to the
+global micro-batch, so N ranks drop what one process would.
+
+Each step logs, besides the common fields: expert_tokens (the rows each expert took,
+summed over the layers), load_max_over_mean (of the ranks' experts' loads),
+expert_max_over_mean (of the experts', per layer), and by rank dropped_tokens,
+aux_loss (the balance loss), expert_load, sent_tokens/received_tokens (the rows
+exchanged with other ranks), dispatch_bytes (the MoE layers' share of comm_bytes).
+"""
+import torch
+import torch.nn as nn
+
+import collectives as C
+import model as M
+
+DEFAULTS = dict(M.TRAIN_DEFAULTS, n_expert=4, dispatch="alltoall")
+
+
+def exchange_bytes(config, cfg, world, sent=None, received=None):
+    """Bytes a rank sends per step at the MoE layers (the docstring's formula). sent,
+    received: the rows this rank dispatched to other ranks' experts and received from
+    other ranks in the step's forward, summed over the layers: then it is exact; without
+    them, the expectation under uniform routing (the all-reduce dispatch's is exact)."""
+    L, E, k, h, N = config.n_layer, config.n_expert, config.top_k, config.n_embd, world
+    n = cfg.batch_size // N * config.block_size  # tokens a rank routes at each layer
+    act = 2 if cfg.dtype == "bfloat16" else 4
+    if cfg.dispatch == "allreduce":
+        return L * ((N - 1) * n * k * 8 + 2 * (N - 1) * n * h * act * (1 + k))
+    if sent is None:  # a rank keeps 1/N of its choices and sends the rest; as many arrive
+        sent = received = L * (N - 1) / N * n * k
+    return L * (N - 1) * E * k * 8 + 2 * (sent + received) * h * act
+
+
+def traffic_per_rank(config, cfg, world, sent=None, received=None):
+    """Bytes a rank sends per step: the MoE layers' exchange_bytes, the replicated
+    gradients' all-reduce and the gradient norm's one float (these two on average over
+    the ranks: a ring's chunks are uneven by an element, a tree's load is uneven)."""
+    replicated = M.param_count(config) - config.n_layer * config.n_expert * M.mlp_params(config, 0)  # all but experts
+    norm = 4 if cfg.grad_clip else 0
+    return exchange_bytes(config, cfg, world, sent, received) + 2 * (world - 1) / world * (4 * replicated + norm)
+
+
+# ----------------------------------------------------------------------------- the collectives, with their backward
+
+class _AllToAll(torch.autograd.Function):
+    """Rows of x to the ranks, send[j] to rank j; recv[i] rows arrive from rank i.
+    Backward sends the gradients of the arrived rows back: the same exchange reversed."""
+
+    @staticmethod
+    def forward(ctx, x, recv, send, group):
+        ctx.recv, ctx.send, ctx.group = recv, send, group
+        out = x.new_empty(sum(recv), *x.shape[1:])
+        C.all_to_all(out, x.contiguous(), recv, send, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        out = grad.new_empty(sum(ctx.send), *grad.shape[1:])
+        C.all_to_all(out, grad.contiguous(), ctx.send, ctx.recv, group=ctx.group)
+        return out, None, None, None
+
+
+def dispatch(rows, send, recv, group=None):
+    """Each rank's chosen rows to the ranks holding their experts: send[j] rows to rank j,
+    recv[i] arriving from rank i."""
+    return _AllToAll.apply(rows, recv, send, group)
+
+
+def combine(rows, send, recv, group=None):
+    """The experts' outputs home: dispatch's exchange reversed (send, recv as dispatch's)."""
+    return _AllToAll.apply(rows, send, recv, group)
+
+
+class _GatherRows(torch.autograd.Function):
+    """Every rank's rows, rank-major, on every rank; backward: the gradients summed
+    over the ranks and each rank's rows kept (a reduce-scatter)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        out = x.new_empty(C.get_world_size(group) * x.shape[0], *x.shape[1:])
+        C.all_gather(out, x.contiguous(), group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        out = grad.new_empty(grad.shape[0] // C.get_world_size(ctx.group), *grad.shape[1:])
+        C.reduce_scatter(out, grad.contiguous(), group=ctx.group)
+        return out, None
+
+
+class _SumScatterRows(torch.autograd.Function):
+    """x (N·n rows) summed over the ranks, rank i keeping rows [i·n, (i+1)·n); backward:
+    the gradient all-gathered."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        out = x.new_empty(x.shape[0] // C.get_world_size(group), *x.shape[1:])
+        C.reduce_scatter(out, x.contiguous(), group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        out = grad.new_empty(C.get_world_size(ctx.group) * grad.shape[0], *grad.shape[1:])
+        C.all_gather(out, grad.contiguous(), group=ctx.group)
+        return out, None
+
+
+def gather_tokens(rows, group=None):
+    """--dispatch=allreduce: the global micro-batch on every rank (all-gather)."""
+    return _GatherRows.apply(rows, group)
+
+
+def sum_outputs(rows, group=None):
+    """--dispatch=allreduce: each rank's experts' partial outputs summed, every rank
+    keeping its own tokens' (reduce-scatter)."""
+    return _SumScatterRows.apply(rows, group)
+
+
+def exchange_counts(counts, group=None):
+    """Every rank's (E, k) choice counts on every rank: (N, E, k), an all-gather."""
+    out = counts.new_empty(C.get_world_size(group), *counts.shape)
+    C.all_gather(out, counts.contiguous(), group=group)
+    return out
+
+
+def transpose_blocks(x, counts):
+    """x holds blocks of counts[i][j] rows in i-major order -> the same blocks j-major."""
+    blocks = x.split(counts.reshape(-1).tolist())
+    rows, cols = counts.shape
+    return torch.cat([blocks[i * cols + j] for j in range(cols) for i in range(rows)])
+
+
+# ----------------------------------------------------------------------------- the layer
+
+class ExpertParallelMoE(M.MoE):
+    """A MoE layer holding experts [first, first + E/N) and the (replicated) router.
+    run_experts() is the only change: the one-process version runs every expert here."""
+
+    def __init__(self, moe, mode="alltoall", wire_dtype=None, group=None):
+        nn.Module.__init__(self)
+        config = moe.config
+        self.config, self.router, self.aux, self.tally = config, moe.router, None, {}
+        self.load = 0  # the training forwards' rows per expert (E,), every rank's, for the log
+        self.mode, self.wire_dtype, self.group = mode, wire_dtype, group
+        self.world, self.rank = C.get_world_size(group), C.get_rank(group)
+        self.local = config.n_expert // self.world
+        self.first = self.rank * self.local
+        self.experts = M.Experts(config, self.local)
+        with torch.no_grad():
+            for mine, full in zip(self.experts.parameters(), moe.experts.parameters()):
+                mine.copy_(full[self.first:self.first + self.local])
+
+    def run_experts(self, tokens, chosen):
+        """-> (the experts' outputs for this rank's choices (n, k, h), zeros where dropped; stats)."""
+        n, k = chosen.shape
+        N, me, mine = self.world, self.rank, slice(self.first, self.first + self.local)
+        if self.mode == "alltoall":
+            table = exchange_counts(M.choice_counts(chosen, self.config.n_expert), self.group)  # (N, E, k)
+        else:
+            everyone = chosen.new_empty(N * n, k)
+            C.all_gather(everyone, chosen.contiguous(), group=self.group)  # every rank's routing, for my experts
+            table = torch.stack([M.choice_counts(c, self.config.n_expert) for c in everyone.view(N, n, k)])
+        capacity = M.expert_capacity(self.config, N * n)
+        kept = M.kept_counts(table, capacity).sum(-1).cpu()  # (N, E): the rows rank i's tokens bring expert e
+        stats = dict(expert_tokens=kept[me], dropped_tokens=n * k - int(kept[me].sum()),
+                     expert_load=int(kept[:, mine].sum()))
+        if self.training:
+            self.load = self.load + kept.sum(0)
+        rows = tokens.to(self.wire_dtype) if self.wire_dtype else tokens  # they travel in the compute dtype
+        if self.mode == "alltoall":
+            keep = M.keep_mask(chosen, M.ahead(table)[me], capacity)
+            return self.by_all_to_all(rows, chosen, keep, kept, stats), stats
+        keep = M.keep_mask(everyone, M.ahead(table.sum(0)[None])[0], capacity)  # the rule on the whole batch
+        return self.by_all_gather(rows, everyone, keep, kept.sum(0)), stats
+
+    def by_all_to_all(self, tokens, chosen, keep, kept, stats):
+        """Each kept choice's row to its expert's rank, through the experts, and back.
+        kept (N, E): the rows rank i's tokens bring expert e."""
+        N, me, k = self.world, self.rank, chosen.shape[1]
+        order = M.by_expert(chosen, keep)  # my kept choices by expert, so by the rank holding it
+        per_rank = kept.view(N, N, self.local).sum(-1)  # rows rank i sends rank j
+        send, recv = per_rank[me].tolist(), per_rank[:, me].tolist()
+        stats.update(sent_tokens=sum(send) - send[me], received_tokens=sum(recv) - recv[me])
+        rows = dispatch(tokens[order // k], send, recv, self.group)  # rank 0's rows by expert, rank 1's...
+        counts = kept[:, self.first:self.first + self.local]  # (N, E/N)
+        out = self.experts(transpose_blocks(rows, counts), counts.sum(0).tolist())  # by expert, then rank
+        out = combine(transpose_blocks(out, counts.t()), send, recv, self.group)
+        return M.scatter_choices(out, order, chosen.shape)
+
+    def by_all_gather(self, tokens, everyone, keep, per_expert):
+        """--dispatch=allreduce: every rank's tokens here, my experts on the choices routed to
+        them, and the partial outputs summed back to their ranks. everyone (N·n, k): every
+        rank's choices; per_expert (E,): the rows each expert keeps."""
+        k = everyone.shape[1]
+        batch = gather_tokens(tokens, self.group)  # (N·n, h): the global micro-batch, rank-major
+        start = int(per_expert[:self.first].sum())
+        sizes = per_expert[self.first:self.first + self.local].tolist()
+        order = M.by_expert(everyone, keep)[start:start + sum(sizes)]  # the kept choices of my experts
+        out = M.scatter_choices(self.experts(batch[order // k], sizes), order, everyone.shape)  # 0: others' experts
+        return sum_outputs(out.view(everyone.shape[0], -1), self.group).view(-1, k, out.shape[-1])
+
+
+# ----------------------------------------------------------------------------- the step's gradient
+
+def all_reduce_replicated(params, group=None):
+    """The replicated weights' gradients averaged over the ranks: one message."""
+    flat = torch.cat([p.grad.reshape(-1) for p in params])
+    C.all_reduce(flat, op="avg", group=group)
+    offset = 0
+    for p in params:
+        p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
+        offset += p.numel()
+
+
+def clip_global_norm(replicated, experts, max_norm, group=None):
+    """The whole model's gradient norm: the replicas' squares once (every rank has the
+    same), plus every rank's experts' squares (an all-reduce of one float); clipped by it."""
+    sq = torch.stack([p.grad.float().pow(2).sum() for p in experts]).sum().reshape(1)
+    C.all_reduce(sq, group=group)
+    norm = (sq[0] + sum(p.grad.float().pow(2).sum() for p in replicated)).sqrt()
+    coef = M.clip_coef(norm, max_norm)
+    if coef < 1:
+        for p in replicated + experts:
+            p.grad.mul_(coef)
+    return norm
+
+
+def main(argv=None):
+    cfg = M.parse_args(DEFAULTS, argv, __doc__)
+    if cfg.dispatch not in ("alltoall", "allreduce"):
+        M.die(f"--dispatch takes alltoall or allreduce, not {cfg.dispatch!r}")
+    if cfg.n_expert == 0:
+        M.die("expert_parallel.py splits a mixture of experts: give --n_expert=E, a multiple of the ranks")
+    run = M.start(cfg, "expert_parallel", moe=True)
+    rank, world, device, config = run.rank, run.world, run.device, run.config
+    if config.n_expert % world:
+        M.die(f"--n_expert={config.n_expert} experts do not divide among {world} ranks")
+    if cfg.batch_size % world:
+        M.die(f"--batch_size={cfg.batch_size} does not divide into {world} ranks")
+    group = None  # the whole world; parallel_3d.py runs the same pieces on a sub-group
+
+    model = M.GPT(config, seed=cfg.seed)
+    wire = torch.bfloat16 if cfg.dtype == "bfloat16" else None  # the rows travel in the compute dtype
+    for block in model.transformer.h:  # keep this rank's experts of every layer, drop the others
+        block.mlp = ExpertParallelMoE(block.mlp, cfg.dispatch, wire, group)
+    model.to(device)
+    named = list(model.named_parameters())  # the tied matrix once
+    replicated = [p for n, p in named if ".experts." not in n]
+    experts = [p for n, p in named if ".experts." in n]
+    for p in replicated:  # the same replicas even if a user seeds ranks differently
+        C.broadcast(p.data, src=0, group=group)
+    optimizer = M.make_optimizer(named, cfg, device)
+    # a checkpoint holds each rank's experts as dim-0 slices of the global stacked tensors;
+    # rank 0 writes the replicated tensors
+    first, local = model.transformer.h[0].mlp.first, model.transformer.h[0].mlp.local
+    M.restore(run, [(n, p, (0, first, first + local), True) if ".experts." in n else (n, p, None, rank == 0)
+                    for n, p in named], optimizer)
+    step_model = torch.compile(model) if cfg.compile else model
+    if rank == 0:
+        print(f"expert_parallel: {world} ranks, {config.n_expert} experts ({local} a rank), top {config.top_k}, "
+              f"dispatch {cfg.dispatch}, {M.param_count(config) / 1e6:.2f}M parameters "
+              f"({M.active_params(config) / 1e6:.2f}M active), {cfg.batch_size // world} x {config.block_size} "
+              f"tokens per rank", flush=True)
+
+    @torch.no_grad()
+    def evaluate():
+        model.eval()
+        losses = torch.zeros(cfg.eval_iters, device=device)
+        for k in range(cfg.eval_iters):
+            with run.autocast:
+                losses[k] = step_model(*M.batch(run, k, "val", 0, 1, rank, world))[1]
+        model.train()
+        with C.untracked():  # bookkeeping, not training traffic
+            C.all_reduce(losses, op="avg", group=group)
+        return losses.mean().item()
+
+    for it in range(run.start_iter, cfg.max_iters):
+        M.begin_iter(run, it, evaluate)
+        # ---------------------------------------------------------------- the training step
+        optimizer.zero_grad(set_to_none=True)
+        x, y = M.batch(run, it, "train", 0, 1, rank, world)
+        with run.autocast:
+            _, loss = step_model(x, y)
+        (loss + M.moe_loss(model)).backward()  # the experts' gradients arrive through the all-to-alls
+        all_reduce_replicated(replicated, group)
+        for p in experts:  # the sum over every rank's mean -> the gradient of the global mean
+            p.grad.div_(world)
+        norm = clip_global_norm(replicated, experts, cfg.grad_clip, group) if cfg.grad_clip else 0.0
+        optimizer.step()
+        # ---------------------------------------------------------------- end of the training step
+        moe = M.moe_log(run, model)
+        if rank == 0:  # the balance: of the ranks' loads, and of each layer's experts
+            loads = [sum(run.record["expert_tokens"][r * local:(r + 1) * local]) for r in range(world)]
+            run.record["load_max_over_mean"] = max(loads) * world / max(1, sum(loads))
+            run.record["expert_max_over_mean"] = [float(m.load.max() / m.load.float().mean().clamp(min=1))
+                                                  for m in M.moe_layers(model)]
+        for m in M.moe_layers(model):
+            m.load = 0
+        state = M.tensor_bytes(p for _, p in named) + M.tensor_bytes(p.grad for _, p in named) \
+            + M.optimizer_state_bytes(optimizer)
+        dispatch_bytes = sum(b for op, b in C.bytes_by_op().items() if op != "all_reduce")
+        M.end_iter(run, loss=loss.item(), grad_norm=norm, state_bytes=state, dispatch_bytes=dispatch_bytes, **moe)
+    return M.finish(run)
+
+
+if __name__ == "__main__":
+    M.main_guard(main)
