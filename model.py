@@ -1088,7 +1088,8 @@ def read_manifest(folder, config=None):
         die(f"{folder} is not a complete checkpoint: cannot read {path} ({e})", scope="node")
     if config is not None:
         mine = {k: v for k, v in asdict(config).items() if k != "dropout"}
-        theirs = {k: model.get(k) for k in mine}
+        defaults = asdict(GPTConfig())  # a field the writer did not have yet took its default then
+        theirs = {k: model.get(k, defaults[k]) for k in mine}
         if mine != theirs:
             diff = ", ".join(f"{k}={theirs[k]} (this run: {mine[k]})" for k in mine if mine[k] != theirs[k])
             die(f"{folder} was written for another model: {diff}", scope="node")

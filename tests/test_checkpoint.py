@@ -1,0 +1,163 @@
+"""Checkpoints: exact resume, resharding from any strategy and world size to any other,
+refusal of a corrupt or mismatched checkpoint, and a run that survives a killed rank.
+
+Each strategy's own test file checks that it resumes its own checkpoints exactly; here
+every pair of strategies meets once, at different world sizes: a writer trains 12 steps
+and saves at step 10, a reader of another strategy resumes from it, and its losses at
+iterations 10 and 11 must match the writer's (the first is the loaded weights; the
+second, one optimizer step later, shows Adam's state moved too)."""
+import json
+import os
+import shutil
+import signal
+
+import pytest
+import torch
+
+import model as M
+from harness import ROOT, spawn, torchrun, python, read_log
+
+SCRIPTS = dict(ddp="ddp.py", fsdp="fsdp.py", tp="tensor_parallel.py", pp="pipeline_parallel.py",
+               cp="context_parallel.py")
+MODULES = {k: v[:-3] for k, v in SCRIPTS.items()}
+RUN_ARGS = ["--max_iters=12", "--eval_interval=0"]
+CKPT_ARGS = RUN_ARGS + ["--ckpt_interval=10"]
+WRITERS = {1: ["ddp"], 2: ["tp", "cp"], 3: ["pp"], 4: ["fsdp"]}
+# (writer, writer's world) -> [(reader, reader's world)]: every pair of strategies once
+READERS = {1: [("tp", 2, "ddp"), ("cp", 2, "ddp")],
+           2: [("ddp", 1, "fsdp"), ("pp", 3, "fsdp"), ("fsdp", 4, "tp")],
+           4: [("ddp", 1, "pp"), ("cp", 2, "fsdp"), ("tp", 2, "pp"), ("cp", 2, "tp"), ("pp", 3, "cp")]}
+
+
+def _main(name, args):
+    import importlib
+    return importlib.import_module(MODULES[name]).main(args)
+
+
+def _write(rank, world, train_args, out):
+    return {name: _main(name, train_args + CKPT_ARGS + [f"--out_dir={out}/{name}{world}"]) for name in WRITERS[world]}
+
+
+def _read(rank, world, train_args, out):
+    return {(w, ww): _main(r, train_args + RUN_ARGS + [f"--resume={out}/{w}{ww}/step_000010"])
+            for w, ww, r in READERS[world]}
+
+
+@pytest.fixture(scope="module")
+def written(train_args, tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("ckpt"))
+    logs = {}
+    for world in WRITERS:
+        got = _write(0, 1, train_args, out) if world == 1 else spawn(_write, world, train_args, out, timeout=400)[0]
+        logs.update({(name, world): records for name, records in got.items()})
+    return out, logs
+
+
+@pytest.mark.parametrize("world", sorted(READERS))
+def test_reshard_between_every_pair_of_strategies(world, written, train_args):
+    out, logs = written
+    got = _read(0, 1, train_args, out) if world == 1 else spawn(_read, world, train_args, out, timeout=400)[0]
+    for (writer, wworld), records in got.items():
+        reader = next(r for w, ww, r in READERS[world] if (w, ww) == (writer, wworld))
+        what = f"{writer} at {wworld} ranks -> {reader} at {world}"
+        ref = logs[(writer, wworld)]
+        assert [r["iter"] for r in records] == [10, 11], what
+        assert abs(records[0]["loss"] - ref[10]["loss"]) <= 1e-6, (what, records[0]["loss"], ref[10]["loss"])
+        assert abs(records[1]["loss"] - ref[11]["loss"]) <= 1e-5, (what, records[1]["loss"], ref[11]["loss"])
+
+
+def test_manifest_says_what_each_rank_holds(written):
+    out, _ = written
+    m = json.load(open(f"{out}/fsdp4/step_000010/manifest.json"))
+    assert m["strategy"] == "fsdp" and m["world"] == 4 and m["step"] == 10 and len(m["files"]) == 4
+    for f in m["files"]:
+        assert os.path.getsize(f"{out}/fsdp4/step_000010/{f['file']}") == f["bytes"] and len(f["sha256"]) == 64
+        assert {p["kind"] for p in f["pieces"]} == {"param", "exp_avg", "exp_avg_sq"}
+    # the four FSDP ranks hold disjoint pieces that add up to the model, three times (param, m, v)
+    held = sum(torch.load(f"{out}/fsdp4/step_000010/{f['file']}", weights_only=True)[p["key"]].numel()
+               for f in m["files"] for p in f["pieces"])
+    config = M.GPTConfig(**m["model"])
+    assert held == 3 * M.param_count(config)
+    assert sorted(os.listdir(f"{out}/ddp1")) == ["step_000010", "step_000012"]  # the final one too; no .tmp left
+
+
+def ddp_run(args, capsys=None):
+    import ddp
+    return ddp.main(args)
+
+
+def refused(args, capsys):
+    import ddp
+    with pytest.raises(SystemExit) as e:
+        ddp.main(args)
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(lines) == 1 and lines[0].startswith("error: "), lines
+    return lines[0]
+
+
+def test_corrupt_or_mismatched_checkpoint_is_refused(written, train_args, tmp_path, capsys):
+    out, _ = written
+    good = f"{out}/ddp1/step_000010"
+    args = train_args + RUN_ARGS
+    bad = str(tmp_path / "flipped")
+    shutil.copytree(good, bad)
+    with open(f"{bad}/rank00000.pt", "r+b") as f:  # one byte changed, the size unchanged
+        f.seek(2000)
+        byte = f.read(1)
+        f.seek(2000)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    assert "does not match its checksum" in refused(args + [f"--resume={bad}"], capsys)
+    cut = str(tmp_path / "truncated")
+    shutil.copytree(good, cut)
+    os.truncate(f"{cut}/rank00000.pt", 1000)
+    assert "missing or truncated" in refused(args + [f"--resume={cut}"], capsys)
+    partial = str(tmp_path / "partial")
+    shutil.copytree(good, partial)
+    os.remove(f"{partial}/manifest.json")
+    assert "not a complete checkpoint" in refused(args + [f"--resume={partial}"], capsys)
+    other = [a for a in args if not a.startswith("--model")] + ["--model=small", f"--resume={good}"]
+    assert "was written for another model: n_layer=12 (this run: 4)" in refused(other, capsys)
+
+
+def test_latest_skips_unfinished_saves_and_keeps_the_newest(train_args, tmp_path):
+    out = str(tmp_path / "run")
+    first = ddp_run(train_args + ["--max_iters=8", "--eval_interval=0", "--ckpt_interval=2", "--keep_ckpts=2",
+                                  f"--out_dir={out}"])
+    assert sorted(os.listdir(out)) == ["step_000006", "step_000008"]
+    os.makedirs(f"{out}/step_000010.tmp")  # a save that crashed: not a checkpoint
+    again = ddp_run(train_args + ["--max_iters=8", "--eval_interval=0", f"--out_dir={out}", "--resume=latest"])
+    assert again == []  # resumed at step 8 of 8: nothing left to do
+    fresh = ddp_run(train_args + ["--max_iters=2", "--eval_interval=0", f"--out_dir={tmp_path}/empty",
+                                  "--resume=latest"])
+    assert [r["loss"] for r in fresh] == [r["loss"] for r in first[:2]]  # nothing there yet: a fresh start
+
+
+def test_sample_from_a_checkpoint(written):
+    out, _ = written
+    r = python("sample.py", [f"--ckpt={out}/tp2/step_000010", "--num_samples=2", "--max_new_tokens=12",
+                             "--device=cpu"], timeout=120)
+    assert r.returncode == 0, r.stderr
+    samples = [s.split() for s in r.stdout.split("---------------") if s.strip()]
+    # a synthetic 192-token vocabulary has no tokenizer: the ids, all of them real tokens
+    assert len(samples) == 2 and all(len(s) == 13 and all(0 <= int(t) < 192 for t in s) for s in samples)
+    assert "written by tensor_parallel on 2 ranks" in r.stderr
+
+
+def test_a_killed_rank_restarts_and_finishes_the_same(train_args, tmp_path):
+    """torchrun --max_restarts=1: rank 1 is SIGKILLed at iteration 12, after the checkpoint
+    of step 10; every rank restarts, resumes from step 10, and ends on the same losses as
+    a run that was never killed. TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: on torch 2.13 with
+    gloo a restarted attempt sometimes cannot reconnect to a store shared with the agent."""
+    args = train_args + ["--eval_interval=0", "--ckpt_interval=5", "--resume=latest"]
+    whole = torchrun("ddp.py", 2, args + [f"--out_dir={tmp_path}/whole", f"--log_file={tmp_path}/whole.jsonl"],
+                     timeout=300)
+    assert whole.returncode == 0, whole.stderr[-2000:]
+    env = dict(CRASH_AT="12", CRASH_RANK="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    crashed = torchrun("tests/crash_once.py", 2, ["ddp.py"] + args + [f"--out_dir={tmp_path}/crashed",
+                                                                      f"--log_file={tmp_path}/crashed.jsonl"],
+                       timeout=300, env=env, extra=["--max_restarts=1"])
+    assert crashed.returncode == 0, crashed.stderr[-3000:]
+    assert "resumed from" in crashed.stdout and "step 10" in crashed.stdout
+    a, b = read_log(f"{tmp_path}/whole.jsonl"), read_log(f"{tmp_path}/crashed.jsonl")
+    assert [r["iter"] for r in b] == list(range(20))
+    assert [r["loss"] for r in a] == [r["loss"] for r in b]  # bit for bit: the same batches, the same state
