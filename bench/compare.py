@@ -1,22 +1,25 @@
 """
-All four strategies side by side: the same GPT on the same data, trained by the
-one-process baseline, DDP, FSDP, tensor parallel and both pipeline schedules, at
-one world size, and one table of what each costs.
+Every strategy side by side: the same GPT on the same data, trained by the one-process
+baseline, DDP, FSDP, tensor parallel, both pipeline schedules and context parallel at one
+world size; with --moe also the mixture-of-experts model, trained by one process, by DDP
+(every expert replicated) and by expert parallelism. One table of what each costs.
 
     python bench/compare.py                         # tiny preset, 2 ranks, 20 steps
-    python bench/compare.py --world 4 --csv out.csv --png out.png
+    python bench/compare.py --world 4 --moe --csv out.csv --png out.png
 
-Every strategy must end on the baseline's loss (float32, so to about 1e-5), and
-send the bytes its formula says: the "formula" column is the closed form from
-FORMULAS.md that each strategy file states as traffic_per_rank(); "sent" is what
-collectives.py counted. A strategy that fails is reported in its row and the
-others still run. Data: data/shakespeare if prepared, else a synthetic set.
+Every strategy must end on its baseline's loss (float32, so to about 1e-5), and send
+the bytes its formula says: the "formula" column is the closed form each strategy file
+states as traffic_per_rank() (the README's "The numbers behind the strategies"), or
+for expert parallelism the formula of the step's actual routing; "sent" is what
+collectives.py counted. A strategy that fails is reported in its row and the others
+still run. Data: data/shakespeare if prepared, else a synthetic set.
 """
 import argparse
 import csv
 import importlib
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -33,6 +36,13 @@ STRATEGIES = [  # (name, script, runs at world size N?, extra flags)
     ("tensor", "tensor_parallel.py", True, []),
     ("pipe-gpipe", "pipeline_parallel.py", True, ["--schedule=gpipe"]),
     ("pipe-1f1b", "pipeline_parallel.py", True, ["--schedule=1f1b"]),
+    ("context", "context_parallel.py", True, ["--layout=zigzag"]),
+]
+MOE = ["--n_expert=4", "--top_k=2"]
+MOE_STRATEGIES = [  # the mixture-of-experts model: its own baseline
+    ("moe-baseline", "ddp.py", False, MOE),
+    ("moe-ddp", "ddp.py", True, MOE),
+    ("moe-expert", "expert_parallel.py", True, MOE),
 ]
 
 
@@ -50,8 +60,11 @@ def launch(script, world, flags, log, timeout):
     return [json.loads(line) for line in open(log)], None
 
 
-def formula(script, flags, world):
-    """The strategy's own closed form for the bytes a rank sends per step."""
+def formula(script, flags, world, records):
+    """The strategy's own closed form for the bytes a rank sends per step; a strategy whose
+    traffic depends on the step (expert parallelism: its routing) logs it as formula_bytes."""
+    if "formula_bytes" in records[0]:
+        return statistics.mean(statistics.mean(r["formula_bytes"]) for r in records)
     module = importlib.import_module(script[:-3])
     cfg = M.parse_args(module.DEFAULTS, flags)
     _, _, vocab = M.load_data(cfg.data_dir)
@@ -68,10 +81,16 @@ def main(argv=None):
     p.add_argument("--n_micro", type=int, default=4)
     p.add_argument("--data_dir", default="")
     p.add_argument("--only", nargs="*", help="run only these strategies (names as in the table)")
+    p.add_argument("--moe", action="store_true", help="also the mixture-of-experts rows")
+    p.add_argument("--keep", action="store_true", help="keep the temporary folder of logs")
     p.add_argument("--csv", default="")
     p.add_argument("--png", default="")
     p.add_argument("--timeout", type=int, default=600)
     args = p.parse_args(argv)
+    table = STRATEGIES + (MOE_STRATEGIES if args.moe or any(n.startswith("moe") for n in args.only or []) else [])
+    unknown = sorted(set(args.only or []) - {name for name, *_ in STRATEGIES + MOE_STRATEGIES})
+    if unknown:
+        p.error(f"unknown strategies {unknown}; the table has {[name for name, *_ in STRATEGIES + MOE_STRATEGIES]}")
     data_dir = args.data_dir or os.path.join(ROOT, "data", "shakespeare")
     tmp = tempfile.mkdtemp(prefix="compare_")
     if not os.path.exists(os.path.join(data_dir, "train.bin")):
@@ -83,11 +102,11 @@ def main(argv=None):
               "--log_interval=0", "--dtype=float32", f"--warmup_iters={max(1, args.iters // 5)}"]
 
     rows, curves = [], {}
-    for name, script, parallel, extra in STRATEGIES:
-        if args.only and name not in args.only:
-            continue
+    todo = [s for s in table if not args.only or s[0] in args.only]
+    for k, (name, script, parallel, extra) in enumerate(todo):
         world = args.world if parallel else 1
         flags = common + extra + (["--n_micro=%d" % args.n_micro] if script.startswith("pipeline") else [])
+        print(f"[{k + 1}/{len(todo)}] {name} on {world} rank{'s' if world > 1 else ''}...", file=sys.stderr, flush=True)
         records, err = launch(script, world, flags, os.path.join(tmp, f"{name}.jsonl"), args.timeout)
         row = dict(strategy=name, ranks=world)
         if err:
@@ -97,12 +116,16 @@ def main(argv=None):
             sent = [statistics.mean(r["comm_bytes"]) for r in steady]
             row.update(final_loss=records[-1]["loss"], ms_per_step=statistics.median(r["dt_ms"] for r in steady),
                        tokens_per_s=statistics.median(r["tokens_per_s"] for r in steady),
-                       sent_mb=statistics.mean(sent) / 1e6, formula_mb=formula(script, flags, world) / 1e6,
+                       sent_mb=statistics.mean(sent) / 1e6, formula_mb=formula(script, flags, world, steady) / 1e6,
                        state_mb=max(records[-1]["state_bytes"]) / 1e6,
                        peak_mb=max(records[-1]["peak_bytes"]) / 1e6 if "peak_bytes" in records[-1] else None)
             curves[name] = [r["loss"] for r in records]
         rows.append(row)
-        print_row(row, rows[0], header=len(rows) == 1)
+        base = next((r for r in rows if r["strategy"] == ("moe-baseline" if name.startswith("moe") else "baseline")),
+                    rows[0])
+        print_row(row, base, header=len(rows) == 1)
+    if not args.keep:
+        shutil.rmtree(tmp, ignore_errors=True)
 
     if args.csv:
         keys = ["strategy", "ranks", "final_loss", "ms_per_step", "tokens_per_s", "sent_mb", "formula_mb",

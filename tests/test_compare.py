@@ -27,10 +27,28 @@ def test_compare_table(data_dir, tmp_path, capsys):
     by = {r["strategy"]: r for r in rows}
     assert by["baseline"]["sent_mb"] == 0 and all(r["sent_mb"] > 0 for r in rows[1:])
     assert by["fsdp"]["state_mb"] < by["ddp"]["state_mb"] and by["tensor"]["state_mb"] < by["ddp"]["state_mb"]
+    assert by["context"]["state_mb"] == by["ddp"]["state_mb"]  # it splits the sequence, not the model
     printed = capsys.readouterr().out
     assert all(name in printed for name, *_ in compare.STRATEGIES) and "FAILED" not in printed
     with open(out) as f:
         assert [r["strategy"] for r in csv.DictReader(f)] == [r["strategy"] for r in rows]
+
+
+def test_mixture_of_experts_rows(data_dir, capsys):
+    """Expert parallelism against its own one-process baseline, its bytes against the
+    formula of its actual routing; DDP of the same model replicates every expert."""
+    rows = compare.main(["--world=2", "--iters=2", "--block_size=32", "--batch_size=8", f"--data_dir={data_dir}",
+                         "--only", "moe-baseline", "moe-expert", "--timeout=180"])
+    assert [r["strategy"] for r in rows] == ["moe-baseline", "moe-expert"] and not [r for r in rows if "error" in r]
+    assert abs(rows[1]["final_loss"] - rows[0]["final_loss"]) < 1e-4
+    assert abs(rows[1]["sent_mb"] - rows[1]["formula_mb"]) < 1e-6 and rows[1]["state_mb"] < rows[0]["state_mb"]
+
+
+def test_unknown_strategy_is_an_error(capsys):
+    import pytest
+    with pytest.raises(SystemExit) as e:
+        compare.main(["--only", "nosuch"])
+    assert e.value.code == 2 and "unknown strategies ['nosuch']" in capsys.readouterr().err
 
 
 def test_a_failing_strategy_is_reported_in_its_row(data_dir, capsys):
