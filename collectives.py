@@ -770,6 +770,8 @@ def gather_stats(values, group=None):
     Bookkeeping, so its own traffic is not counted."""
     _check(isinstance(values, dict), f"gather_stats: values must be {{name: number}}, not {type(values).__name__}")
     me, n, ranks = _members(group)
+    if n == 1:  # one rank: nothing to gather, nothing launched
+        return {k: [float(v)] for k, v in values.items()}
     names, device = list(values), _comm_device(group)
     mine = torch.tensor([float(values[k]) for k in names], dtype=torch.float64, device=device)
     rows = torch.empty(n * len(names), dtype=torch.float64, device=device) if me == 0 else None
@@ -779,7 +781,7 @@ def gather_stats(values, group=None):
 
 
 def sendrecv(send_tensor, dst, recv_tensor, src, group=None, async_op=False):
-    """The pipeline's primitive: send send_tensor to dst and receive recv_tensor from src,
+    """The pipeline's primitive (and the attention ring's): send send_tensor to dst and receive recv_tensor from src,
     both posted at once (one batch_isend_irecv: one NCCL group call), as MPI_Sendrecv.
     Either may be None. Two neighbours that each send to the other before receiving deadlock
     with blocking send/recv (NCCL, and gloo for large messages, hand a message over only once

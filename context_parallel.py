@@ -327,20 +327,6 @@ def grad_buffer(params):
     return flat
 
 
-def saved_bytes(params):
-    """A context counting the bytes autograd keeps for backward: the activations,
-    without the parameters (saved by reference). -> (context, dict storage -> bytes)."""
-    skip = {p.untyped_storage().data_ptr() for p in params}
-    seen = {}
-
-    def pack(t):
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in skip:
-            seen[storage.data_ptr()] = storage.nbytes()
-        return t
-    return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), seen
-
-
 def main(argv=None):
     cfg = M.parse_args(DEFAULTS, argv, __doc__)
     if cfg.layout not in LAYOUTS:
@@ -395,7 +381,7 @@ def main(argv=None):
             optimizer.zero_grad(set_to_none=True)
         x, y = M.batch(run, it)  # every row of the global batch...
         x, y = x[:, pos], y[:, pos]  # ...at this rank's positions
-        counting, saved = saved_bytes(params) if not cfg.compile else (nullcontext(), {})
+        counting, saved = M.saved_bytes(params) if not cfg.compile else (nullcontext(), {})
         with run.autocast, counting:
             loss = step_forward(model, x, y, pos, ring)
         loss.backward()  # the ring runs again, backward, inside

@@ -137,9 +137,10 @@ def main(argv=None):
     # makes that true even if a user changes the seed per rank (a common bug)
     model = M.GPT(config, seed=cfg.seed).to(device)
     params = list(model.parameters())  # the tied matrix once
-    for t in params + list(model.buffers()):
-        C.broadcast(t.data, src=0, group=group)
-    # one process: nothing to average, so no buckets, no hooks, nothing launched
+    if world > 1:
+        for t in params + list(model.buffers()):
+            C.broadcast(t.data, src=0, group=group)
+    # one process: nothing to average, so no buckets, no hooks, no collective at all
     buckets = GradBuckets(params, cfg.bucket_mb, cfg.mode == "overlap", group) \
         if world > 1 and cfg.mode != "naive" else None
     optimizer = M.make_optimizer(model.named_parameters(), cfg, device)
@@ -160,8 +161,9 @@ def main(argv=None):
                 with run.autocast:
                     losses[k, m] = step_model(*M.batch(run, k, "val", m, cfg.grad_accum, rank, world))[1]
         model.train()
-        with C.untracked():  # bookkeeping, not training traffic
-            C.all_reduce(losses, op="avg", group=group)
+        if world > 1:
+            with C.untracked():  # bookkeeping, not training traffic
+                C.all_reduce(losses, op="avg", group=group)
         return losses.mean().item()
 
     for it in range(run.start_iter, cfg.max_iters):

@@ -448,6 +448,21 @@ def active_params(config):
                                                    - mlp_params(config, config.top_k))
 
 
+def saved_bytes(params):
+    """A context that counts the bytes autograd keeps for backward (the activations),
+    leaving out the parameters, which it saves by reference. -> (context, dict
+    storage -> bytes): with counting: ...; sum(saved.values())."""
+    skip = {p.untyped_storage().data_ptr() for p in params}
+    seen = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in skip:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+    return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), seen
+
+
 def tensor_bytes(tensors):
     return sum(t.numel() * t.element_size() for t in tensors)
 

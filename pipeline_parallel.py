@@ -366,21 +366,6 @@ MESSAGES = {("act", None): send_forward, (None, "act"): recv_forward,
 # the stage executor
 
 
-def saved_bytes(params):
-    """A context that counts the bytes autograd keeps for backward (the activations
-    a micro-batch holds until its backward), leaving out the parameters, which it
-    saves by reference. -> (context, dict storage -> bytes)."""
-    skip = {p.untyped_storage().data_ptr() for p in params}
-    seen = {}
-
-    def pack(t):
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in skip:
-            seen[storage.data_ptr()] = storage.nbytes()
-        return t
-    return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), seen
-
-
 class Executor:
     """Runs one stage's plan, action by action: its forwards and backwards, and its
     exchanges with the neighbours. The pipeline is `group` (None: the whole world):
@@ -432,7 +417,7 @@ class Executor:
         stage = self.stage
         x, y = batch(m) if stage.first or stage.last else (None, None)  # the middle needs no tokens
         inp = x if stage.first else self.inbox.pop(("act", m)).requires_grad_(train)
-        counting, saved = saved_bytes(self.params) if train and self.count_saved else (nullcontext(), {})
+        counting, saved = M.saved_bytes(self.params) if train and self.count_saved else (nullcontext(), {})
         with self.autocast, counting:
             out = self.model(inp, y)
         if stage.last:

@@ -96,7 +96,7 @@ def _saved_bytes_one_process(rows, tokens):
     import context_parallel as CP
     model = M.GPT(M.make_config("tiny", VOCAB, block_size=32), seed=7)
     x, y = torch.zeros(rows, tokens, dtype=torch.long), torch.ones(rows, tokens, dtype=torch.long)
-    counting, saved = CP.saved_bytes(list(model.parameters()))
+    counting, saved = M.saved_bytes(list(model.parameters()))
     with counting:
         CP.forward(model, x, y, torch.arange(tokens), CP.Ring(None, "contiguous"))
     return sum(saved.values())

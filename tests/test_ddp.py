@@ -67,3 +67,17 @@ def test_batch_that_does_not_divide_fails_on_every_rank(train_args):
     assert r.stderr.count("error: --batch_size=24 does not divide into 3 ranks x 3 micro-steps") == 1
     # torchrun prints a traceback of its own when a child fails; none may come from our code
     assert 'ddp.py", line' not in r.stderr and 'model.py", line' not in r.stderr
+
+
+def test_one_process_launches_no_collective(train_args, monkeypatch):
+    """The reference every parity test compares with: no broadcast, no all-reduce, no
+    async handle left behind (it once raced its own no-op all-reduce against clipping)."""
+    import collectives as C
+    import ddp
+    launched = []
+    real = C._launch
+    monkeypatch.setattr(C, "_launch", lambda name, *a, **k: launched.append(name) or real(name, *a, **k))
+    for mode in ("naive", "bucketed", "overlap"):
+        ddp.main(train_args + ["--max_iters=3", "--eval_interval=2", f"--mode={mode}"])
+    assert launched == [], launched
+    assert C._worker is None and C._pending == 0
