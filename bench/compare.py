@@ -61,14 +61,19 @@ def launch(script, world, flags, log, timeout):
 
 
 def formula(script, flags, world, records):
-    """The strategy's own closed form for the bytes a rank sends per step; a strategy whose
-    traffic depends on the step (expert parallelism: its routing) logs it as formula_bytes."""
-    if "formula_bytes" in records[0]:
-        return statistics.mean(statistics.mean(r["formula_bytes"]) for r in records)
+    """The strategy's own closed form for the bytes a rank sends per step, on average over
+    the ranks; expert parallelism's from each step's actual routing (the rows each rank
+    sent and received, which it logs)."""
     module = importlib.import_module(script[:-3])
     cfg = M.parse_args(module.DEFAULTS, flags)
     _, _, vocab = M.load_data(cfg.data_dir)
-    return module.traffic_per_rank(M.make_config(cfg.model, vocab, cfg.block_size), cfg, world)
+    config = M.make_config(cfg.model, vocab, cfg.block_size, cfg.dropout, cfg.n_expert, cfg.top_k,
+                           cfg.capacity_factor, cfg.aux_loss_coef)
+    if "sent_tokens" in records[0]:
+        return statistics.mean(statistics.mean(module.traffic_per_rank(config, cfg, world, s, r)
+                                               for s, r in zip(rec["sent_tokens"], rec["received_tokens"]))
+                               for rec in records)
+    return module.traffic_per_rank(config, cfg, world)
 
 
 def main(argv=None):

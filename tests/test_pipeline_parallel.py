@@ -27,6 +27,9 @@ from conftest import VOCAB
 # with one micro-batch both schedules are the same list of actions (checked on paper
 # below), so 1F1B's m=1 run would repeat GPipe's: the parity runs skip it
 CONFIGS = [("gpipe", 1), ("gpipe", 4), ("gpipe", 8), ("1f1b", 4), ("1f1b", 8)]
+# every run costs 20 steps on shared cores: all of them at 2 stages; at 3 and 4, the two
+# schedules side by side at one m (their activation memory compared), and the other m once
+CONFIGS_AT = {2: CONFIGS, 3: [("gpipe", 1), ("gpipe", 8), ("1f1b", 8)], 4: [("gpipe", 4), ("1f1b", 4), ("1f1b", 8)]}
 BATCH, BLOCK = 24, 32  # of conftest.TRAIN_ARGS
 # bf16 on a CPU is slow (no bf16 matmul units): a short run of small batches
 BF16_ARGS = ["--dtype=bfloat16", "--batch_size=8", "--max_iters=4", "--eval_interval=0"]
@@ -177,7 +180,7 @@ def _quiet(fn, *args):
 
 def _run_all(rank, world, train_args, out):
     results = {}
-    for schedule, m in CONFIGS:
+    for schedule, m in CONFIGS_AT[world]:
         path = os.path.join(out, f"pp_{world}_{schedule}_{m}.pt")
         flags = [f"--schedule={schedule}", f"--n_micro={m}", f"--save_path={path}",
                  f"--timeline={schedule == '1f1b' and m == 8}"]
@@ -269,7 +272,7 @@ def test_parity_traffic_memory(world, train_args, reference, runs, tmp_path):
     results = runs(world)
     config = M.make_config("tiny", VOCAB, block_size=BLOCK)
     cfg = M.parse_args(PP.DEFAULTS, train_args)
-    for schedule, m in CONFIGS:
+    for schedule, m in CONFIGS_AT[world]:
         records, path, printed = results[(schedule, m)]
         where = f"{schedule}, {m} micro-batches, {world} stages"
         assert_logs_match(records, ref_records, 1e-4)
@@ -286,6 +289,8 @@ def test_parity_traffic_memory(world, train_args, reference, runs, tmp_path):
             assert r["bubble_theory"] == (world - 1) / (m + world - 1)
     # activation bytes: 1F1B holds min(p-s, m) micro-batches' worth where GPipe holds m
     for m in (4, 8):
+        if ("gpipe", m) not in results or ("1f1b", m) not in results:
+            continue
         gpipe, onefoneb = results[("gpipe", m)][0][-1]["act_bytes"], results[("1f1b", m)][0][-1]["act_bytes"]
         for s in range(world):
             assert onefoneb[s] * m == gpipe[s] * min(world - s, m), f"stage {s}, {m} micro-batches"
@@ -295,7 +300,7 @@ def test_parity_traffic_memory(world, train_args, reference, runs, tmp_path):
     assert PP.draw(PP.simulate("1f1b", world, 8), 3 * (8 + world - 1)) in printed
     assert printed.split("measured")[1].count("idle") == world
     assert " ".join(PP.show(a) for a in PP.plan("1f1b", world, 8, world - 1)) in printed
-    assert "on paper" not in results[("gpipe", 8)][2]
+    assert all("on paper" not in results[c][2] for c in CONFIGS_AT[world] if c != ("1f1b", 8))
     if world == 3:
         code, err = results["too_many_stages"]
         assert code != 0 and "error: 3 stages but the model has 2 blocks" in err
