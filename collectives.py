@@ -77,6 +77,12 @@ def init_distributed(timeout_s=None):
         torch.cuda.set_device(local_rank)  # before NCCL starts, or every rank lands on GPU 0
     if not _initialized() and "WORLD_SIZE" in os.environ:  # torchrun; plain `python x.py`: no group
         kw = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
+        # torchrun's store outlives a failed attempt (--max_restarts): the ranks of the next
+        # one would read the dead attempt's addresses from it and fail to connect. Each
+        # attempt gets its own prefix in the store, as the env:// rendezvous makes it.
+        store, rank, world = next(dist.rendezvous("env://", **kw))
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        kw.update(store=dist.PrefixStore(f"attempt{attempt}/", store), rank=rank, world_size=world)
         if cuda:  # device_id makes NCCL create its communicator now, with every rank present
             dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank), **kw)
         else:

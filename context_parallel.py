@@ -339,7 +339,7 @@ def main(argv=None):
     parts = world * (2 if cfg.layout == "zigzag" else 1)
     if config.block_size % parts:
         M.die(f"--block_size={config.block_size} does not divide into {parts} equal parts "
-              f"({world} ranks, {cfg.layout} layout{', two chunks each' if cfg.layout == 'zigzag' else ''})")
+              f"({world} rank{'s' * (world > 1)}, {cfg.layout} layout{', two chunks each' if cfg.layout == 'zigzag' else ''})")
     group = None  # the whole world; parallel_3d.py could run the same ring on a sub-group
     ring = Ring(group, cfg.layout, device)
     pos = positions(config.block_size, ring.me, ring.n, cfg.layout, device)
@@ -354,7 +354,7 @@ def main(argv=None):
     M.restore(run, [(n, p, None, rank == 0) for n, p in model.named_parameters()], optimizer)
     step_forward = torch.compile(forward) if cfg.compile else forward
     if rank == 0:
-        print(f"context_parallel: {world} ranks, {cfg.layout} layout, {M.param_count(config) / 1e6:.2f}M parameters, "
+        print(f"context_parallel: {world} rank{'s' * (world > 1)}, {cfg.layout} layout, {M.param_count(config) / 1e6:.2f}M parameters, "
               f"{cfg.batch_size} x {config.block_size // world} tokens per rank "
               f"({config.block_size} per sequence)", flush=True)
 

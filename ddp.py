@@ -127,7 +127,7 @@ def main(argv=None):
     run = M.start(cfg, "ddp", moe=True)
     rank, world, device, config = run.rank, run.world, run.device, run.config
     if cfg.batch_size % (world * cfg.grad_accum):
-        M.die(f"--batch_size={cfg.batch_size} does not divide into {world} ranks x {cfg.grad_accum} micro-steps")
+        M.die(f"--batch_size={cfg.batch_size} does not divide into {world} rank{'s' * (world > 1)} x {cfg.grad_accum} micro-steps")
     if config.capacity_factor and world > 1:  # GShard's drop rule needs the routing of every rank's rows
         M.die("--capacity_factor needs the whole micro-batch's routing, which ddp.py's ranks don't share: "
               "use expert_parallel.py, or one process")
@@ -148,8 +148,8 @@ def main(argv=None):
     M.restore(run, [(n, p, None, rank == 0) for n, p in model.named_parameters()], optimizer)
     step_model = torch.compile(model) if cfg.compile else model
     if rank == 0:
-        print(f"ddp: {world} ranks, mode {cfg.mode}, {M.param_count(config) / 1e6:.2f}M parameters, "
-              f"{len(buckets.buffers) if buckets else 0} buckets, "
+        print(f"ddp: {world} rank{'s' * (world > 1)}, mode {cfg.mode}, {M.param_count(config) / 1e6:.2f}M parameters, "
+              f"{len(buckets.buffers) if buckets else 'no'} bucket{'' if buckets and len(buckets.buffers) == 1 else 's'}, "
               f"{cfg.batch_size // (world * cfg.grad_accum)} x {config.block_size} tokens per rank per micro-step")
 
     @torch.no_grad()

@@ -277,9 +277,9 @@ def main(argv=None):
     run = M.start(cfg, "expert_parallel", moe=True)
     rank, world, device, config = run.rank, run.world, run.device, run.config
     if config.n_expert % world:
-        M.die(f"--n_expert={config.n_expert} experts do not divide among {world} ranks")
+        M.die(f"--n_expert={config.n_expert} experts do not divide among {world} rank{'s' * (world > 1)}")
     if cfg.batch_size % world:
-        M.die(f"--batch_size={cfg.batch_size} does not divide into {world} ranks")
+        M.die(f"--batch_size={cfg.batch_size} does not divide into {world} rank{'s' * (world > 1)}")
     group = None  # the whole world; parallel_3d.py runs the same pieces on a sub-group
 
     model = M.GPT(config, seed=cfg.seed)
@@ -300,7 +300,7 @@ def main(argv=None):
                     for n, p in named], optimizer)
     step_model = torch.compile(model) if cfg.compile else model
     if rank == 0:
-        print(f"expert_parallel: {world} ranks, {config.n_expert} experts ({local} a rank), top {config.top_k}, "
+        print(f"expert_parallel: {world} rank{'s' * (world > 1)}, {config.n_expert} experts ({local} a rank), top {config.top_k}, "
               f"dispatch {cfg.dispatch}, {M.param_count(config) / 1e6:.2f}M parameters "
               f"({M.active_params(config) / 1e6:.2f}M active), {cfg.batch_size // world} x {config.block_size} "
               f"tokens per rank", flush=True)

@@ -529,7 +529,7 @@ def main(argv=None):
     run = M.start(cfg, "fsdp")
     rank, world, device, config = run.rank, run.world, run.device, run.config
     if cfg.batch_size % (world * cfg.grad_accum):
-        M.die(f"--batch_size={cfg.batch_size} does not divide into {world} ranks x {cfg.grad_accum} micro-steps")
+        M.die(f"--batch_size={cfg.batch_size} does not divide into {world} rank{'s' * (world > 1)} x {cfg.grad_accum} micro-steps")
     group = None  # the whole world; parallel_3d.py runs the same pieces on a sub-group
     stage = cfg.zero_stage
 
@@ -551,7 +551,7 @@ def main(argv=None):
     if rank == 0:
         n_params = M.param_count(config)
         shard = sum(p.shard_size for u in units for p in u.layout.parts)
-        print(f"fsdp: {world} ranks, ZeRO-{stage}, prefetch {cfg.prefetch}, {n_params / 1e6:.2f}M parameters "
+        print(f"fsdp: {world} rank{'s' * (world > 1)}, ZeRO-{stage}, prefetch {cfg.prefetch}, {n_params / 1e6:.2f}M parameters "
               f"in {len(units)} units, {shard / 1e6:.2f}M per rank ({shard * world - n_params} padding), "
               f"{cfg.batch_size // (world * cfg.grad_accum)} x {config.block_size} tokens per rank per micro-step")
 

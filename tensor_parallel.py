@@ -466,12 +466,12 @@ def main(argv=None):
     sp = cfg.sequence_parallel
     # every rank checks the same things before any communication, so every rank stops
     if config.n_head % world:
-        M.die(f"--model={cfg.model} has {config.n_head} heads, which do not split over {world} ranks "
+        M.die(f"--model={cfg.model} has {config.n_head} heads, which do not split over {world} rank{'s' * (world > 1)} "
               f"(tensor parallelism gives each rank whole heads)")
     if config.vocab_size % world:
-        M.die(f"the padded vocabulary ({config.vocab_size} tokens) does not split over {world} ranks")
+        M.die(f"the padded vocabulary ({config.vocab_size} tokens) does not split over {world} rank{'s' * (world > 1)}")
     if sp and config.block_size % world:
-        M.die(f"--sequence_parallel needs --block_size ({config.block_size}) divisible by {world} ranks")
+        M.die(f"--sequence_parallel needs --block_size ({config.block_size}) divisible by {world} rank{'s' * (world > 1)}")
     group = None  # the whole world; parallel_3d.py runs the same pieces on a sub-group
 
     model = build_model(config, cfg.seed, group, sp).to(device)
@@ -484,7 +484,7 @@ def main(argv=None):
     step_forward = torch.compile(forward) if cfg.compile else forward
     if rank == 0:
         n_params = sum(p.numel() for p in sharded) * world + sum(p.numel() for p in replicated)
-        print(f"tensor_parallel: {world} ranks{', sequence parallel' if sp else ''}, {n_params / 1e6:.2f}M parameters, "
+        print(f"tensor_parallel: {world} rank{'s' * (world > 1)}{', sequence parallel' if sp else ''}, {n_params / 1e6:.2f}M parameters, "
               f"{sum(p.numel() for p in params) / 1e6:.2f}M per rank, {config.n_head // world} heads and "
               f"{config.vocab_size // world} vocabulary rows per rank, {cfg.batch_size} x {config.block_size} tokens")
 

@@ -618,17 +618,22 @@ def test_timeout_names_whom_it_waited_for():
 
 
 def test_init_distributed_timeout(monkeypatch):
-    """timeout_s reaches init_process_group as a timedelta; no timeout_s, no timeout= (torch's default)."""
-    calls = []
+    """timeout_s reaches the rendezvous and init_process_group as a timedelta (none given:
+    torch's default), and each torchrun attempt reads and writes its own part of the store."""
+    calls, store = [], object()
     monkeypatch.setattr(dist, "init_process_group", lambda *args, **kwargs: calls.append((args, kwargs)))
+    monkeypatch.setattr(dist, "rendezvous", lambda url, **kw: iter([(store, 0, 1)]))
+    monkeypatch.setattr(dist, "PrefixStore", lambda prefix, s: (prefix, s))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
     try:
         assert C.init_distributed(timeout_s=3)[:3] == (0, 1, 0)
         C.init_distributed()
     finally:
         C.shutdown()  # no group really made: nothing to destroy
-    assert calls == [(("gloo",), {"timeout": datetime.timedelta(seconds=3)}), (("gloo",), {})], calls
+    common = dict(store=("attempt2/", store), rank=0, world_size=1)
+    assert calls == [(("gloo",), dict(timeout=datetime.timedelta(seconds=3), **common)), (("gloo",), common)], calls
 
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "reduce", "scatter", "gather")

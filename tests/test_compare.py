@@ -14,9 +14,11 @@ _spec.loader.exec_module(compare)
 
 def test_compare_table(data_dir, tmp_path, capsys):
     out = tmp_path / "table.csv"
+    # every strategy's parity and bytes are their own files' tests: here the tool, on four
+    only = ["baseline", "ddp", "fsdp", "context"]
     rows = compare.main(["--world=2", "--iters=2", "--block_size=32", f"--data_dir={data_dir}", f"--csv={out}",
-                         "--timeout=180"])
-    assert [r["strategy"] for r in rows] == [s[0] for s in compare.STRATEGIES]
+                         "--timeout=180", "--only", *only])
+    assert [r["strategy"] for r in rows] == only
     assert not [r for r in rows if "error" in r], rows
     base = rows[0]["final_loss"]
     for r in rows:
@@ -26,10 +28,10 @@ def test_compare_table(data_dir, tmp_path, capsys):
     # every parallel strategy sends something, and the sharded ones hold less than DDP
     by = {r["strategy"]: r for r in rows}
     assert by["baseline"]["sent_mb"] == 0 and all(r["sent_mb"] > 0 for r in rows[1:])
-    assert by["fsdp"]["state_mb"] < by["ddp"]["state_mb"] and by["tensor"]["state_mb"] < by["ddp"]["state_mb"]
+    assert by["fsdp"]["state_mb"] < by["ddp"]["state_mb"]
     assert by["context"]["state_mb"] == by["ddp"]["state_mb"]  # it splits the sequence, not the model
     printed = capsys.readouterr().out
-    assert all(name in printed for name, *_ in compare.STRATEGIES) and "FAILED" not in printed
+    assert all(name in printed for name in only) and "FAILED" not in printed
     with open(out) as f:
         assert [r["strategy"] for r in csv.DictReader(f)] == [r["strategy"] for r in rows]
 
@@ -53,10 +55,10 @@ def test_unknown_strategy_is_an_error(capsys):
 
 def test_a_failing_strategy_is_reported_in_its_row(data_dir, capsys):
     # 5 ranks cannot split the tiny preset's 12 heads: tensor parallel fails, and the
-    # strategy after it still runs
+    # strategies around it still run
     rows = compare.main(["--world=5", "--iters=1", "--block_size=32", "--batch_size=5", f"--data_dir={data_dir}",
-                         "--n_micro=1", "--only", "tensor", "context", "--timeout=120"])
-    assert [r["strategy"] for r in rows] == ["tensor", "context"]
-    assert "12 heads, which do not split over 5 ranks" in rows[0]["error"], rows[0]
-    assert "error" not in rows[1] and rows[1]["sent_mb"] > 0
+                         "--only", "tensor", "ddp", "--timeout=120"])
+    assert [r["strategy"] for r in rows] == ["ddp", "tensor"]  # in the table's order
+    assert "12 heads, which do not split over 5 ranks" in rows[1]["error"], rows[1]
+    assert "error" not in rows[0] and rows[0]["sent_mb"] > 0
     assert "FAILED" in capsys.readouterr().out
