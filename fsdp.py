@@ -501,7 +501,7 @@ def clip_grad_shards(units, max_norm, group):
     sq = torch.stack([g.pow(2).sum() for u in units for g in u.grads]).sum()
     C.all_reduce(sq, group=group)
     norm = sq.sqrt()
-    coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)  # as torch.nn.utils.clip_grad_norm_
+    coef = M.clip_coef(norm, max_norm)
     for u in units:
         for g in u.grads:
             g.mul_(coef)

@@ -599,9 +599,12 @@ def set_lr(optimizer, lr):
 def clip_coef(total_norm, max_norm):
     """What to scale the gradients by so their global norm is at most max_norm (as
     torch.nn.utils.clip_grad_norm_ computes it). Each strategy finds the global
-    norm its own way (summing squared norms of shards, counting replicas once)."""
+    norm its own way (summing squared norms of shards, counting replicas once). A
+    tensor norm gives a tensor coefficient: it stays on the device, no host sync."""
     if max_norm <= 0:
         return 1.0
+    if torch.is_tensor(total_norm):
+        return torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
     return min(1.0, max_norm / (float(total_norm) + 1e-6))
 
 

@@ -280,7 +280,7 @@ def clip_global_norm(stage, max_norm, tp_group, pp_group):
     C.all_reduce(sq, group=tp_group)
     C.all_reduce(sq, group=pp_group)
     norm = sq.sqrt()
-    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    coef = M.clip_coef(norm, max_norm)
     for p in sharded + replicated:
         p.grad.mul_(coef)
     return norm

@@ -478,7 +478,7 @@ def clip_global_norm(stage, max_norm, group=None):
             sq += p.grad.float().pow(2).sum()
     C.all_reduce(sq, op="sum", group=group)
     norm = sq.sqrt()
-    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    coef = M.clip_coef(norm, max_norm)
     for p in params:
         p.grad.mul_(coef)
     return norm

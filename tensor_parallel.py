@@ -453,7 +453,7 @@ def clip_global_norm(sharded, replicated, max_norm, group=None):
     norm = grad_sq_norm(sharded, replicated, group)
     C.all_reduce(norm, group=group)
     norm = norm.sqrt()
-    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    coef = M.clip_coef(norm, max_norm)
     for p in sharded + replicated:
         p.grad.mul_(coef)
     return norm
