@@ -7,8 +7,9 @@ size) into one model.GPT on one device, and sample from it, as nanoGPT's sample.
 
 A checkpoint holds each rank's pieces of the model (see model.py, "checkpoints"); here
 they are put back together into the full tensors, so a model trained with tensor
-parallelism on 4 GPUs samples on a laptop. The text is GPT-2's BPE, as data/prepare.py
-wrote it; a data folder with its own meta.json vocabulary but no tokenizer prints ids.
+parallelism on 4 GPUs samples on a laptop. The text is decoded as data/prepare.py
+encoded it: by characters (the vocabulary is kept in the checkpoint's manifest) or with
+GPT-2's BPE; a data folder with its own vocabulary but no tokenizer prints ids.
 """
 import os
 import sys
@@ -49,14 +50,22 @@ def generate(model, idx, max_new_tokens, temperature=1.0, top_k=0, vocab_size=No
     return idx
 
 
-def encoding():
-    """GPT-2's BPE, found offline the way data/prepare.py finds it; None if it cannot be."""
-    try:
-        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "data"))
-        import prepare
-        return prepare.get_encoding()
-    except Exception:
-        return None
+def encoding(manifest):
+    """(encode, decode) for the checkpoint's data: by characters, with the vocabulary the
+    manifest keeps; GPT-2's BPE, found offline the way data/prepare.py finds it; else ids."""
+    chars = manifest.get("tokenizer", {}).get("chars")
+    if chars:
+        stoi = {c: i for i, c in enumerate(chars)}
+        return (lambda s: [stoi[c] for c in s if c in stoi]), (lambda ids: "".join(chars[i] for i in ids))
+    if manifest.get("vocab_size", M.GPT2_VOCAB) == M.GPT2_VOCAB:
+        try:
+            sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "data"))
+            import prepare
+            enc = prepare.get_encoding()
+            return (lambda s: enc.encode(s, allowed_special={"<|endoftext|>"}) or [M.GPT2_VOCAB - 1]), enc.decode
+        except Exception:
+            pass
+    return (lambda s: [0]), (lambda ids: " ".join(map(str, ids)))
 
 
 def main(argv=None):
@@ -86,18 +95,16 @@ def main(argv=None):
     print(f"{folder}: step {manifest['step']}, written by {manifest['strategy']} on {manifest['world']} ranks, "
           f"{M.param_count(config) / 1e6:.2f}M parameters", file=sys.stderr)
 
-    enc = encoding() if vocab_size == M.GPT2_VOCAB else None
+    encode, decode = encoding(manifest)
     start = open(cfg.start[5:]).read() if cfg.start.startswith("FILE:") else cfg.start
-    ids = enc.encode(start, allowed_special={"<|endoftext|>"}) if enc else [0]
-    if not ids:
-        ids = [M.GPT2_VOCAB - 1]  # <|endoftext|>: GPT-2's start of a document
+    ids = encode(start) or [0]  # an empty prompt: BPE starts at <|endoftext|>, characters at id 0
     torch.manual_seed(cfg.seed)
     ctx = torch.autocast(device.type, dtype=torch.bfloat16) if dtype == "bfloat16" else torch.no_grad()
     x = torch.tensor([ids], dtype=torch.long, device=device)
     for k in range(cfg.num_samples):
         with ctx:
             y = generate(model, x, cfg.max_new_tokens, cfg.temperature, cfg.top_k, vocab_size)[0].tolist()
-        print(enc.decode(y) if enc else " ".join(map(str, y)))
+        print(decode(y))
         print("---------------")
 
 

