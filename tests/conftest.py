@@ -9,6 +9,12 @@ import json
 import os
 import sys
 
+# The suite runs on CPU processes over gloo on every machine, GPUs or not: hidden before
+# torch is imported here, and in every rank the harness starts (they inherit it). Without
+# this, one GPU breaks every 2-rank test (both ranks pick cuda:0, NCCL refuses) and several
+# hand CUDA tensors to gloo.
+os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
 import numpy as np
 import pytest
 

@@ -5,9 +5,11 @@ has a deadline, and on expiry all ranks are killed and the test fails with the
 tail of what they printed.
 
 Two ways in:
-  spawn(fn, world_size, *args)  runs fn(rank, world_size, *args) in N fresh
-      processes that already share a gloo process group; returns each rank's
-      return value (a list indexed by rank). fn must be a module-level function.
+  spawn(fn, world_size, *args)  runs fn(rank, world_size, *args) on N processes
+      that already share a gloo process group; returns each rank's return value
+      (a list indexed by rank). fn must be a module-level function. The N ranks
+      are started once per world size and reused by later calls (see _pools), so
+      fn must leave no state behind that a later call would trip on.
   torchrun(script, nproc, args)  runs a real script under torchrun, as a user
       would; returns the CompletedProcess (stdout, stderr, returncode).
 Plus read_log / assert_logs_match for the per-iteration JSON logs.
@@ -29,8 +31,9 @@ def free_port():
         return s.getsockname()[1]
 
 
-def _child(fn, rank, world_size, port, queue, args):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+def _rank_main(rank, world_size, port, tasks, results):
+    """One rank of a pool: joins the gloo group once, then runs jobs until told to stop."""
+    os.environ.update(CUDA_VISIBLE_DEVICES="", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
     if ROOT not in sys.path:
         sys.path.insert(0, ROOT)
@@ -39,23 +42,54 @@ def _child(fn, rank, world_size, port, queue, args):
     torch.set_num_threads(1)  # N ranks share 2 cores; more threads only thrash
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
-        queue.put((rank, True, fn(rank, world_size, *args)))
     except BaseException:
-        queue.put((rank, False, traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        results.put((rank, False, traceback.format_exc()))
+        return
+    while (job := tasks.get()) is not None:
+        fn, args = job
+        try:
+            results.put((rank, True, fn(rank, world_size, *args)))
+        except BaseException:
+            results.put((rank, False, traceback.format_exc()))
 
 
-def spawn(fn, world_size, *args, timeout=120):
-    """fn(rank, world_size, *args) on world_size ranks; returns [result of rank 0, ...]."""
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_child, args=(fn, r, world_size, port, queue, args), daemon=True)
-             for r in range(world_size)]
+# world size -> (processes, one job queue per rank, the results queue). Starting N ranks
+# (N interpreters importing torch, then a gloo rendezvous) costs seconds on 2 cores, and
+# the suite calls spawn() dozens of times: each world size's ranks are started once and
+# serve every call, as one process group runs many short runs. A call that fails or
+# times out ends its pool (a rank may be stuck in a collective); the next call starts anew.
+_pools = {}
+
+
+def _pool(world_size):
+    if world_size not in _pools:
+        ctx = mp.get_context("spawn")
+        tasks, results = [ctx.Queue() for _ in range(world_size)], ctx.Queue()
+        port = free_port()
+        procs = [ctx.Process(target=_rank_main, args=(r, world_size, port, tasks[r], results), daemon=True)
+                 for r in range(world_size)]
+        for p in procs:
+            p.start()
+        _pools[world_size] = (procs, tasks, results)
+    return _pools[world_size]
+
+
+def _end_pool(world_size):
+    procs, _, _ = _pools.pop(world_size)
     for p in procs:
-        p.start()
+        p.kill()
+        p.join(timeout=5)
+
+
+def spawn(fn, world_size, *args, timeout=120, fresh=False):
+    """fn(rank, world_size, *args) on world_size ranks; returns [result of rank 0, ...].
+    fresh=True: on ranks of their own, ended afterwards, for a job that leaves the group
+    unusable on purpose (a peer that never arrives leaves a receive posted)."""
+    if fresh and world_size in _pools:
+        _end_pool(world_size)
+    procs, tasks, queue = _pool(world_size)
+    for q in tasks:
+        q.put((fn, args))
     results, errors = {}, []
     try:
         for _ in range(world_size):
@@ -70,11 +104,11 @@ def spawn(fn, world_size, *args, timeout=120):
             else:
                 errors.append((rank, value))
                 break  # one rank failed: the others may now be stuck waiting on it
-    finally:
-        for p in procs:
-            p.join(timeout=2 if errors else 10)
-            if p.is_alive():
-                p.kill()
+    except BaseException:
+        _end_pool(world_size)
+        raise
+    if errors or fresh:
+        _end_pool(world_size)
     if errors:
         raise AssertionError(f"rank {errors[0][0]} failed:\n{errors[0][1]}")
     return [results[r] for r in range(world_size)]
@@ -84,7 +118,7 @@ def torchrun(script, nproc, args=(), timeout=120, env=None, extra=()):
     """Run `torchrun --nproc_per_node=nproc [extra] script args` from the repo root, with a deadline."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
            "--master_addr", "127.0.0.1", "--master_port", str(free_port()), *extra, script, *args]
-    full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
+    full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", CUDA_VISIBLE_DEVICES="", **(env or {}))
     p = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          text=True, start_new_session=True)
     try:
@@ -100,7 +134,7 @@ def python(script, args=(), timeout=120):
     """Run `python script args` as one plain process (no torchrun), with a deadline."""
     cmd = [sys.executable, script, *args]
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+                          env=dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES=""))
 
 
 def read_log(path):
