@@ -486,7 +486,8 @@ def load_data(data_dir):
     paths = {s: os.path.join(data_dir, f"{s}.bin") for s in ("train", "val")}
     for p in paths.values():
         if not os.path.exists(p):
-            die(f"no {p}: run `python data/prepare.py` first, or pass --data_dir=FOLDER with train.bin and val.bin",
+            die(f"no {p}: run `python data/prepare.py` first (Shakespeare by characters; --tokenizer=gpt2 "
+                f"writes data/shakespeare), or pass --data_dir=FOLDER with train.bin and val.bin",
                 scope="node")
     meta = read_meta(os.path.join(data_dir, "meta.json"))
     vocab_size = meta.get("vocab_size", GPT2_VOCAB)
@@ -626,10 +627,10 @@ def flops_per_token(config, n_params=None):
 # against torch.cuda.get_device_name, bf16/fp16 tensor cores, float32 as this project
 # runs it: TF32 tensor cores where the chip has them, else plain fp32). The first
 # pattern that matches wins, so the specific names come before the general ones
-# ("H100 PCIe" before "H100", "L40S" before "L40" before "L4").
+# ("H200 NVL" before "H200", "H100 PCIe" before "H100", "L40S" before "L40" before "L4").
 PEAK_FLOPS = [
+    (r"H[12]00.*NVL", 835e12, 418e12),  # the PCIe NVL cards, H100 NVL and H200 NVL alike (before "H200")
     (r"GH200|H200|H100.*(SXM|HBM3)", 989e12, 494e12),
-    (r"H100.*NVL", 835e12, 418e12),
     (r"H100", 756e12, 378e12),  # the PCIe card; SXM parts name themselves above
     (r"B200", 2250e12, 1100e12),
     (r"A100", 312e12, 156e12),
@@ -676,7 +677,7 @@ def auto_dtype():
 
 TRAIN_DEFAULTS = dict(
     model="small",          # size preset, see PRESETS
-    data_dir=os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "shakespeare"),
+    data_dir=os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "shakespeare_char"),
     batch_size=12,          # global sequences per optimizer step, across all ranks
     block_size=0,           # tokens per sequence; 0 takes the preset's
     max_iters=150,
@@ -693,6 +694,7 @@ TRAIN_DEFAULTS = dict(
     dropout=0.0,
     dtype="auto",           # float32 | bfloat16 | auto (bfloat16 on a GPU of compute capability >= 8, else float32)
     compile=False,
+    deterministic=False,    # GPU parity mode: TF32 off, deterministic kernels (CPU runs are so already)
     log_file="",            # JSON lines, one per iteration, written by rank 0
     log_interval=1,         # print every this many iterations (the JSON log gets every one)
     out_dir="",             # checkpoints go to out_dir/step_{k:06d}/ (off if empty)
@@ -709,16 +711,42 @@ TRAIN_DEFAULTS = dict(
 )
 
 
+DIE_WAIT_S = 30  # the longest a silent rank waits for the one that prints (see die)
+
+
 def die(msg, code=2, scope="all"):
     """Bad input ends the run with one line on stderr and a non-zero exit, never a hang.
     scope says who sees the problem, so it is printed once: "all" (a flag: every rank
     checks the same thing, rank 0 prints), "node" (a file: every rank of a machine sees
-    it, local rank 0 prints), "me" (this rank alone, which prints)."""
+    it, local rank 0 prints), "me" (this rank alone, which prints).
+
+    Under torchrun the first rank to exit ends the job: the agent sends SIGTERM to the
+    others. Were a silent rank first, the rank that prints could be killed before it has
+    printed (on a busy machine it may be seconds behind, still importing torch or still
+    scanning a file). So the silent ranks wait, and the printer's own exit ends the job:
+    the line is printed once, and torchrun names the printer's code as the root cause.
+    The wait is bounded (DIE_WAIT_S) in case the printer never gets here. Outside torchrun
+    (one process, or processes nobody kills) there is nothing to wait for."""
     rank, local = os.environ.get("RANK", "0"), os.environ.get("LOCAL_RANK", "0")
     if (scope == "all" and rank == "0") or (scope == "node" and local == "0") or scope == "me":
         prefix = f"rank {rank}: " if rank != "0" and scope != "all" else ""
         print(f"error: {prefix}{msg}", file=sys.stderr, flush=True)
+    elif "TORCHELASTIC_RUN_ID" in os.environ:
+        time.sleep(DIE_WAIT_S)
     sys.exit(code)
+
+
+def delay_for_tests(where="start"):
+    """A test's hook: PARALLEL_GPT_DELAY="RANK:SECONDS[@WHERE]" makes that rank sleep at
+    `where`: "start" (the default: before the flags are checked), "restore" (before a
+    checkpoint is read) or an iteration's number, to show that nothing depends on which
+    rank gets there first. Unset, it costs one look-up."""
+    spec = os.environ.get("PARALLEL_GPT_DELAY")
+    if spec:
+        who, _, rest = spec.partition(":")
+        seconds, _, at = rest.partition("@")
+        if who == os.environ.get("RANK", "0") and (at or "start") == str(where):
+            time.sleep(float(seconds))
 
 
 def parse_args(defaults, argv=None, doc=""):
@@ -813,9 +841,12 @@ def start(cfg, strategy, moe=False):
     timeout), build the model's config, seed. Every rank checks the same things
     before any communication, so bad input stops every rank at once. moe: whether
     the strategy trains a mixture of experts (--n_expert); the others refuse it."""
+    delay_for_tests()
     check_flags(cfg)
     check_moe(cfg, strategy, moe)
     train, val, vocab_size = load_data(cfg.data_dir)
+    # how to read the ids back into text, for sample.py: kept in every checkpoint's manifest
+    tokenizer = {k: v for k, v in read_meta(os.path.join(cfg.data_dir, "meta.json")).items() if k in ("tokenizer", "chars")}
     config = make_config(cfg.model, vocab_size, cfg.block_size, cfg.dropout,
                          cfg.n_expert, cfg.top_k, cfg.capacity_factor, cfg.aux_loss_coef)
     cfg.block_size = config.block_size
@@ -825,11 +856,18 @@ def start(cfg, strategy, moe=False):
                 f"--block_size={config.block_size} (a window needs {config.block_size + 1})", scope="node")
     rank, world, local_rank, device = C.init_distributed(timeout_s=cfg.timeout_s)
     torch.manual_seed(cfg.seed)
-    torch.backends.cuda.matmul.allow_tf32 = True  # TF32 matmuls: ~free speed for float32 on Ampere+
-    torch.backends.cudnn.allow_tf32 = True
+    # TF32 matmuls: ~free speed for float32 on Ampere and newer, but a float32 run then
+    # rounds its products to 10 bits of mantissa, and CUDA's embedding and attention
+    # backwards add with atomics, in whatever order the threads arrive. --deterministic
+    # turns both off, so that float32 runs on a GPU compare as they do on a CPU.
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = not cfg.deterministic
+    if cfg.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read when cuBLAS starts: before any matmul
+        torch.backends.cudnn.deterministic = True
+        torch.use_deterministic_algorithms(True, warn_only=True)  # an op with no such kernel warns, naming itself
     autocast = nullcontext() if cfg.dtype == "float32" else torch.autocast(device.type, dtype=torch.bfloat16)
     return SimpleNamespace(cfg=cfg, strategy=strategy, rank=rank, world=world, local_rank=local_rank, device=device,
-                           config=config, vocab_size=vocab_size, train=train, val=val, autocast=autocast, start_iter=0, layout={},
+                           config=config, vocab_size=vocab_size, tokenizer=tokenizer, train=train, val=val, autocast=autocast, start_iter=0, layout={},
                            peak=peak_flops(device, cfg.peak_flops, cfg.dtype), log=None, record=None)
 
 
@@ -851,6 +889,7 @@ def begin_iter(run, it, evaluate):
     """Validation when due (before the step, as nanoGPT does), this iteration's
     learning rate, a fresh byte counter, and the clock."""
     cfg = run.cfg
+    delay_for_tests(it)
     run.record = {"iter": it}
     if cfg.eval_interval and (it % cfg.eval_interval == 0 or it == cfg.max_iters - 1):
         run.record["val_loss"] = evaluate()
@@ -1061,7 +1100,7 @@ def save_checkpoint(run, step, folder=None):
                 files.append(json.load(f))
             os.remove(os.path.join(tmp, f"rank{r:05d}.pt.json"))
         manifest = dict(format=1, strategy=run.strategy, world=run.world, layout=run.layout, step=step,
-                        model=asdict(run.config), vocab_size=run.vocab_size, shapes=global_shapes(run.config), files=files)
+                        model=asdict(run.config), vocab_size=run.vocab_size, tokenizer=run.tokenizer, shapes=global_shapes(run.config), files=files)
         with open(os.path.join(tmp, "manifest.json"), "w") as f:
             json.dump(manifest, f, indent=1)
         shutil.rmtree(final, ignore_errors=True)
@@ -1171,10 +1210,10 @@ def restore(run, entries, optimizer):
     resumed run sees the batches the uninterrupted one would have."""
     cfg = run.cfg
     run.entries, run.optimizer = entries, optimizer
+    delay_for_tests("restore")
     folder = cfg.resume
     if folder == "latest":
-        done = checkpoints(cfg.out_dir)
-        folder = done[-1] if done else ""
+        folder = latest_checkpoint(run)
     if folder:
         manifest = read_manifest(folder, run.config)
         reader = CheckpointReader(folder, manifest)
@@ -1195,6 +1234,18 @@ def restore(run, entries, optimizer):
             print(f"resumed from {folder} (step {step}, written by {manifest['strategy']} on {manifest['world']} "
                   f"ranks)", flush=True)
     run.log = Logger(cfg, run.rank, run.start_iter)
+
+
+def latest_checkpoint(run):
+    """The newest complete checkpoint in --out_dir ("" if none), as rank 0 sees it: every
+    rank follows rank 0's choice (one broadcast of the step), since on a shared file
+    system with caching the nodes can briefly list different newest folders."""
+    done = checkpoints(run.cfg.out_dir)
+    step = torch.tensor([int(os.path.basename(done[-1])[5:]) if done else -1], device=run.device)
+    if run.world > 1:
+        with C.untracked():
+            C.broadcast(step, src=0)
+    return os.path.join(run.cfg.out_dir, f"step_{int(step.item()):06d}") if step.item() >= 0 else ""
 
 
 def load_full_state(folder):

@@ -124,3 +124,74 @@ def test_a_problem_one_rank_sees_is_said_by_that_rank(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         M.die("--mode takes naive, bucketed or overlap")
     assert capsys.readouterr().err == ""
+
+
+# ---------------------------------------------------------------- under torchrun, whichever rank is first
+# torchrun ends the job when its first rank exits. The rank that prints is made 4 s late on
+# purpose: were the silent ranks to exit at once, it would be killed before printing.
+LATE = "0:4"
+
+
+def _checkpoint(folder, good_data):
+    import ddp
+    ddp.main(BASE + [f"--data_dir={good_data}", f"--out_dir={folder}"])
+    return os.path.join(folder, "step_000002")
+
+
+@pytest.mark.parametrize("case", ["flag", "data file", "checkpoint"])
+def test_the_line_arrives_when_the_printing_rank_is_late(case, good_data, tmp_path):
+    from harness import torchrun
+    if case == "flag":
+        args, where, must_say = [f"--data_dir={good_data}", "--eval_interval=1", "--eval_iters=0"], "start", \
+            "--eval_iters must be positive"
+    elif case == "data file":
+        folder = str(tmp_path / "data")
+        shutil.copytree(good_data, folder)
+        args, where, must_say = [f"--data_dir={folder}"], "start", spoil(folder, "token ids beyond the vocabulary")
+    else:  # another model's checkpoint: found only after the process group is up
+        step = _checkpoint(str(tmp_path / "ckpt"), good_data)
+        args, where, must_say = [f"--data_dir={good_data}", f"--resume={step}", "--model=small"], "restore", \
+            "was written for another model"
+    r = torchrun("ddp.py", 2, BASE + args, timeout=120, env={"PARALLEL_GPT_DELAY": f"{LATE}@{where}"})
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert r.returncode != 0 and len(errors) == 1 and must_say in errors[0], r.stderr[-3000:]
+    assert "exitcode  : 2" in r.stderr, r.stderr[-3000:]  # torchrun's root cause: the rank that printed
+
+
+def test_a_timeout_names_the_peer_under_torchrun(good_data):
+    """Rank 1 stops answering before iteration 2 (it sleeps past the timeout): rank 0's
+    line names the collective and the peer it waited for, and arrives before torchrun
+    ends the job."""
+    from harness import torchrun
+    r = torchrun("ddp.py", 2, BASE + [f"--data_dir={good_data}", "--max_iters=4", "--timeout_s=3"], timeout=120,
+                 env={"PARALLEL_GPT_DELAY": "1:60@2"})
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert r.returncode != 0 and len(errors) == 1, r.stderr[-3000:]
+    assert "timed out waiting for rank 1" in errors[0], errors
+
+
+def test_ctrl_c_under_torchrun_says_so_once(good_data, tmp_path):
+    """Ctrl-C reaches every process of the job (torchrun's agent and each rank): one line
+    says so, and names the last checkpoint."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    from harness import free_port
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(free_port()), "ddp.py", *BASE, f"--data_dir={good_data}", "--max_iters=100000",
+           f"--out_dir={tmp_path}", "--ckpt_interval=1", "--log_interval=1"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", CUDA_VISIBLE_DEVICES="")
+    p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)
+    try:
+        deadline = time.time() + 120
+        while "iter 3" not in p.stdout.readline():
+            assert time.time() < deadline and p.poll() is None, "the run never reached iteration 3"
+        os.killpg(p.pid, signal.SIGINT)  # what the terminal does on Ctrl-C: the whole process group
+        _, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    said = [line for line in err.splitlines() if line.startswith("interrupted")]
+    assert len(said) == 1 and "the last checkpoint is" in said[0], err[-3000:]

@@ -132,6 +132,45 @@ def test_latest_skips_unfinished_saves_and_keeps_the_newest(train_args, tmp_path
     assert [r["loss"] for r in fresh] == [r["loss"] for r in first[:2]]  # nothing there yet: a fresh start
 
 
+def _choose_latest(rank, world, out):
+    """Rank 1 lists an older newest checkpoint than rank 0 (a file system cache behind)."""
+    from types import SimpleNamespace
+    import model as M
+    if rank == 1:
+        M.checkpoints = lambda out_dir: [os.path.join(out_dir, "step_000004")]
+    run = SimpleNamespace(cfg=SimpleNamespace(out_dir=out), world=world, device=torch.device("cpu"))
+    return M.latest_checkpoint(run)
+
+
+@pytest.mark.quick
+def test_latest_is_rank_0s_choice_on_every_rank(tmp_path):
+    for step in (4, 8):
+        os.makedirs(tmp_path / f"step_{step:06d}")
+        (tmp_path / f"step_{step:06d}" / "manifest.json").write_text("{}")
+    chosen = spawn(_choose_latest, 2, str(tmp_path), timeout=60, fresh=True)  # fresh: rank 1's model.py is patched
+    assert chosen == [str(tmp_path / "step_000008")] * 2
+
+
+@pytest.mark.quick
+def test_sample_decodes_characters(tmp_path):
+    """A model trained on data/prepare.py's characters samples text in those characters:
+    the vocabulary travels in the checkpoint's manifest."""
+    import ddp
+    text = "".join(f"ROMEO: line {i} of the play, and JULIET answers.\n" for i in range(400))
+    (tmp_path / "play.txt").write_text(text)
+    r = python("data/prepare.py", ["--input", str(tmp_path / "play.txt"), "--tokenizer=char",
+                                   "--out_dir", str(tmp_path / "chars")], timeout=120)
+    assert r.returncode == 0, r.stderr
+    ddp.main(["--model=tiny", "--block_size=16", "--batch_size=4", "--max_iters=2", "--eval_interval=0",
+              f"--data_dir={tmp_path / 'chars'}", f"--out_dir={tmp_path / 'out'}", "--log_interval=0"])
+    r = python("sample.py", [f"--out_dir={tmp_path / 'out'}", "--start=ROMEO:", "--num_samples=1",
+                             "--max_new_tokens=40", "--device=cpu"], timeout=120)
+    assert r.returncode == 0, r.stderr
+    sample = r.stdout.split("---------------")[0].rstrip("\n")
+    assert sample.startswith("ROMEO:") and len(sample) == len("ROMEO:") + 40, sample
+    assert set(sample) <= set(text)
+
+
 def test_sample_from_a_checkpoint(written):
     out, _ = written
     r = python("sample.py", [f"--ckpt={out}/tp2/step_000010", "--num_samples=2", "--max_new_tokens=12",
