@@ -118,6 +118,19 @@ class GradBuckets:
                 C.all_reduce(flat, op="avg", group=self.group)
 
 
+def compile_blocks(model, **options):
+    """torch.compile each block on its own, in place. Compiled whole, the model's backward
+    is one autograd node: every gradient appears at its very end, and no bucket can be
+    launched while backward still runs (--mode=overlap would be bucketed). One graph per
+    block gives backward one node per block, so each block's gradients are ready, and
+    their bucket can be sent, while the blocks before it are still differentiated
+    (PyTorch's DDP splits its graph at bucket boundaries for this reason; torchtitan
+    compiles block by block). The embedding and the head stay eager."""
+    for block in model.transformer.h:
+        block.compile(**options)
+    return model
+
+
 def main(argv=None):
     cfg = M.parse_args(DEFAULTS, argv, __doc__)
     if cfg.mode not in ("naive", "bucketed", "overlap"):
@@ -146,7 +159,7 @@ def main(argv=None):
     optimizer = M.make_optimizer(model.named_parameters(), cfg, device)
     # a checkpoint holds every tensor once: rank 0 writes, every rank reads
     M.restore(run, [(n, p, None, rank == 0) for n, p in model.named_parameters()], optimizer)
-    step_model = torch.compile(model) if cfg.compile else model
+    step_model = compile_blocks(model) if cfg.compile else model
     if rank == 0:
         print(f"ddp: {world} rank{'s' * (world > 1)}, mode {cfg.mode}, {M.param_count(config) / 1e6:.2f}M parameters, "
               f"{len(buckets.buffers) if buckets else 'no'} bucket{'' if buckets and len(buckets.buffers) == 1 else 's'}, "

@@ -81,3 +81,31 @@ def test_one_process_launches_no_collective(train_args, monkeypatch):
         ddp.main(train_args + ["--max_iters=2", "--eval_interval=1", f"--mode={mode}"])
     assert launched == [], launched
     assert C._worker is None and C._pending == 0
+
+
+def _compiled_nodes(loss):
+    """The autograd nodes of compiled graphs that loss's backward passes through."""
+    found, seen, todo = 0, set(), [loss.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        found += "CompiledFunction" in type(node).__name__
+        todo.extend(next_fn for next_fn, _ in node.next_functions)
+    return found
+
+
+def test_compile_splits_backward_by_block():
+    """--compile compiles block by block: backward has one node per block, so DDP's buckets
+    launch while it runs. Compiled whole (the old way), backward is one node and every
+    gradient appears at its end: that is checked too, so the count can tell them apart."""
+    import dataclasses
+    import ddp
+    torch._dynamo.reset()
+    config = dataclasses.replace(M.make_config("tiny", VOCAB, block_size=16), n_layer=3)
+    x = torch.randint(0, VOCAB, (2, 16))
+    per_block = ddp.compile_blocks(M.GPT(config), backend="aot_eager")
+    assert _compiled_nodes(per_block(x, x)[1]) == config.n_layer
+    whole = torch.compile(M.GPT(config), backend="aot_eager")
+    assert _compiled_nodes(whole(x, x)[1]) == 1
