@@ -1,13 +1,16 @@
 """
-The one GPT that every strategy trains, and everything the strategies must share
-for their runs to be comparable: the size presets, the seeded init (one unit at a
-time, so a sharded strategy never has to build the whole model), the batch
-sampler, the learning-rate schedule, the optimizer's decay groups, the FLOP count
-and MFU, the command line and the log.
+The one GPT that every strategy trains, in two halves.
 
-The model is GPT-2 as nanoGPT writes it: pre-LayerNorm blocks, GELU MLP, causal
-self-attention through scaled_dot_product_attention (flash attention on a GPU),
-learned positions, and the token embedding tied to the output head.
+The model (first, importing only torch): GPT-2 as nanoGPT writes it (pre-LayerNorm
+blocks, GELU MLP, causal self-attention through scaled_dot_product_attention, flash
+attention on a GPU, learned positions, the token embedding tied to the output head),
+its mixture-of-experts layer (--n_expert), and the seeded init one unit at a time, so
+that a sharded strategy never has to build the whole model.
+
+The run machinery (after the fence): what every strategy must share for its run to
+be the same run: the data and the batch sampler, the optimizer and its schedule,
+FLOPs and MFU, the flags, the run skeleton (start, restore, begin_iter, end_iter,
+finish) with its log and per-rank stats, and checkpoints that any layout can load.
 """
 import hashlib
 import json
@@ -25,8 +28,6 @@ import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
-import collectives as C
 
 # -----------------------------------------------------------------------------
 # sizes
@@ -341,27 +342,6 @@ def moe_loss(model):
     return layers[0].config.aux_loss_coef * torch.stack([m.aux for m in layers]).mean()
 
 
-def moe_log(run, model):
-    """The step's mixture-of-experts numbers as end_iter keywords, one value per rank
-    ({} for a dense model): aux_loss (the balance loss's mean over layers and
-    micro-steps), dropped_tokens (choices dropped at capacity, summed over layers) and
-    what a strategy's layers count besides. Into rank 0's record: expert_tokens, the
-    choices each expert took from all ranks, summed over layers. Every rank calls it."""
-    total = {}
-    for m in moe_layers(model):
-        for name, v in m.tally.items():
-            total[name] = total.get(name, 0) + v
-        m.tally = {}
-    if not total:
-        return {}
-    per_expert, forwards = total.pop("expert_tokens").tolist(), total.pop("forwards")
-    rows = C.gather_stats({f"expert_{e}": n for e, n in enumerate(per_expert)})
-    if rows is not None:
-        run.record["expert_tokens"] = [int(sum(rows[f"expert_{e}"])) for e in range(len(per_expert))]
-    total["aux_loss"] = total["aux_loss"] / forwards
-    return {name: float(v) for name, v in total.items()}
-
-
 # -----------------------------------------------------------------------------
 # init, one unit at a time
 #
@@ -424,19 +404,19 @@ def num_params(params):
 
 def param_count(config):
     """The same count from the shapes alone, without building anything (the tied
-    matrix once): per block 12·C² weights plus 13·C biases and norms."""
-    C = config.n_embd
-    per_block = 12 * C * C + (13 * C if config.bias else 2 * C)  # without biases: the two norms' weights
+    matrix once): per block 12·h² weights plus 13·h biases and norms."""
+    h = config.n_embd
+    per_block = 12 * h * h + (13 * h if config.bias else 2 * h)  # without biases: the two norms' weights
     per_block += mlp_params(config, config.n_expert) - mlp_params(config, 0)  # a mixture of experts' MLPs
-    ln_f = 2 * C if config.bias else C
-    return (config.vocab_size + config.block_size) * C + config.n_layer * per_block + ln_f
+    ln_f = 2 * h if config.bias else h
+    return (config.vocab_size + config.block_size) * h + config.n_layer * per_block + ln_f
 
 
 def mlp_params(config, experts):
     """A block's MLP (experts = 0), or `experts` of a mixture's experts and its router."""
-    C = config.n_embd
-    mlp = 8 * C * C + (5 * C if config.bias else 0)
-    return experts * mlp + config.n_expert * C if experts else mlp
+    h = config.n_embd
+    mlp = 8 * h * h + (5 * h if config.bias else 0)
+    return experts * mlp + config.n_expert * h if experts else mlp
 
 
 def active_params(config):
@@ -470,6 +450,17 @@ def tensor_bytes(tensors):
 def optimizer_state_bytes(optimizer):
     """Adam's two moments (m and v); the per-tensor step counters are bookkeeping."""
     return tensor_bytes(v for s in optimizer.state.values() for k, v in s.items() if k != "step")
+
+
+# =============================================================================
+# The run machinery. Everything above is the model and imports nothing of this
+# project; everything below is what every strategy file calls around its own
+# training step, so that their runs are the same run: the data and its sampler,
+# the optimizer and its schedule, FLOPs and MFU, the flags, the run skeleton and
+# its log, checkpoints. Only this part talks to the other ranks (collectives.py).
+# =============================================================================
+
+import collectives as C  # noqa: E402  (the model above needs no process group)
 
 
 # -----------------------------------------------------------------------------
@@ -935,6 +926,27 @@ def finish(run):
         save_full_state(run, run.cfg.save_path)
     C.shutdown()
     return run.log.records
+
+
+def moe_log(run, model):
+    """The step's mixture-of-experts numbers as end_iter keywords, one value per rank
+    ({} for a dense model): aux_loss (the balance loss's mean over layers and
+    micro-steps), dropped_tokens (choices dropped at capacity, summed over layers) and
+    what a strategy's layers count besides. Into rank 0's record: expert_tokens, the
+    choices each expert took from all ranks, summed over layers. Every rank calls it."""
+    total = {}
+    for m in moe_layers(model):
+        for name, v in m.tally.items():
+            total[name] = total.get(name, 0) + v
+        m.tally = {}
+    if not total:
+        return {}
+    per_expert, forwards = total.pop("expert_tokens").tolist(), total.pop("forwards")
+    rows = C.gather_stats({f"expert_{e}": n for e, n in enumerate(per_expert)})
+    if rows is not None:
+        run.record["expert_tokens"] = [int(sum(rows[f"expert_{e}"])) for e in range(len(per_expert))]
+    total["aux_loss"] = total["aux_loss"] / forwards
+    return {name: float(v) for name, v in total.items()}
 
 
 def now(device):

@@ -73,6 +73,7 @@ def refused(strategy, args, capsys):
     return e.value.code, capsys.readouterr().err.strip().splitlines()
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("case", DATA_CASES)
 def test_bad_data_same_verdict_from_every_strategy(case, good_data, tmp_path, capsys):
     folder = str(tmp_path / "data")
@@ -87,6 +88,7 @@ def test_bad_data_same_verdict_from_every_strategy(case, good_data, tmp_path, ca
     assert len(set(verdicts.values())) == 1, verdicts  # every strategy: the same words
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("flag, must_say", [
     ("--eval_iters=0", "--eval_iters must be positive"),
     ("--dropout=1.5", "--dropout"),  # out of [0, 1); strategies that need 0 say so first

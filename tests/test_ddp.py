@@ -53,6 +53,7 @@ def test_parity_and_traffic(world, train_args, reference, tmp_path):
                 assert abs(sent - 2 * (world - 1) / world * grad_bytes) <= 2 * world * 4 * n_buckets, where
 
 
+@pytest.mark.quick
 def test_torchrun_end_to_end(train_args, reference, tmp_path):
     log = tmp_path / "log.jsonl"
     r = torchrun("ddp.py", 2, train_args + [f"--log_file={log}", "--log_interval=5"], timeout=300)
@@ -69,6 +70,7 @@ def test_batch_that_does_not_divide_fails_on_every_rank(train_args):
     assert 'ddp.py", line' not in r.stderr and 'model.py", line' not in r.stderr
 
 
+@pytest.mark.quick
 def test_one_process_launches_no_collective(train_args, monkeypatch):
     """The reference every parity test compares with: no broadcast, no all-reduce, no
     async handle left behind (it once raced its own no-op all-reduce against clipping)."""

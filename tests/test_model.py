@@ -6,6 +6,8 @@ import sys
 
 import numpy as np
 import pytest
+
+pytestmark = pytest.mark.quick  # every test here is cheap: all of them are in the quick tier
 import torch
 
 import model as M
