@@ -80,7 +80,9 @@ WEIGHT_BYTES = dict(fp32=4, megatron=2, zero=2)  # what a ZeRO all-gather of par
 GRAD_BYTES = dict(fp32=4, megatron=4, zero=2)    # what the gradient reduction sends
 SCHEDULES = ("1f1b", "interleaved", "zb", "gpipe")
 RECOMPUTE = ("none", "selective", "full")
-_MESSAGES = {}  # axis_messages per layout and micro-batch: the same for every ZeRO stage, recompute, schedule
+# the one fitted knob: the fraction of the dense peak compute reaches, fitted by --check on Narayanan et al.
+# 2021's Table 1 (fit_eff; tests/test_plan_3d.py holds this constant to the fit)
+EFF = 0.604
 CODE_BUCKET = 25 << 20  # bytes: this code's DDP buckets (Megatron's are counted in elements, run["bucket_elems"])
 
 
@@ -165,9 +167,52 @@ def layer_hbm_bytes(s, b, h, tp):
     return 3 * sum(2 * (M_ * K + K * N + M_ * N) for K, N in gemms) + 2 * 34 * s * b * h / tp
 
 
-def evaluate(config, cl, run, lay, opt):
-    """One layout (dp, tp, pp, cp) with one choice of options -> its row, or None if it cannot run.
-    lay: dp, tp, pp, cp, dp_shard; opt: zero, recompute, schedule, v, b."""
+def stage_costs(config, cl, run, lay, b):
+    """What a layout costs at micro-batch b whatever the other options: per stage (the first, which holds
+    the most layers and micro-batches, and the last, which has the head): its parameters, layers, the
+    times of one micro-batch's compute (by recompute mode), tp collectives (the forward's again when
+    fully recomputed), boundary message, and the dp collectives (by ZeRO stage)."""
+    dp, tp, pp, cp, shard = lay
+    h, V, L = config.n_embd, config.vocab_size, config.n_layer
+    m, s = run.batch // (dp * b), config.block_size // cp
+    local = dataclasses.replace(config, block_size=s)
+    prec = run.precision
+    act_bytes = 4 if prec == "fp32" else 2
+    n_zero, repl = shard * cp, dp // shard  # ZeRO shards over the HSDP shard group and cp (same weights)
+    # links: strides on the mesh tp, cp, dp, pp
+    lk = dict(tp=span(tp, 1, cl), cp=span(cp, tp, cl), dp=span(shard, tp * cp, cl),
+              rep=span(repl, tp * cp * shard, cl), pp=span(pp, tp * cp * dp, cl))
+    cfg = SimpleNamespace(batch_size=run.batch, n_micro=m, dtype="bfloat16" if prec != "fp32" else "float32",
+                          sequence_parallel=True, grad_clip=1.0)
+    msgs = axis_messages(local, cfg, dp, tp, pp) if tp > 1 else []
+    out = []
+    for k in sorted({0, pp - 1}):
+        params = sum(stage_params(config, tp, pp, k)) + (V * h // tp) * (pp == 1 and not run.tied)
+        layers = len(PP.stage_layers(L, pp, k))
+        hbm = layers * layer_hbm_bytes(s, b, h, tp) / cl.hbm_bw
+        t_c = {rc: stage_flops(local, s, tp, cp, pp, k, rc)[1] * b / (cl.peak * run.eff) + hbm for rc in RECOMPUTE}
+        blocks = rest = 0.0
+        for msg in msgs:
+            if msg.axis == "tp" and msg.stage == k and msg.what not in ("norm", "replicas"):
+                t = msg.count / m * coll_time(msg.op, msg.n, msg.nbytes, lk["tp"])
+                blocks, rest = (blocks + t, rest) if msg.what == "blocks, head" else (blocks, rest + t)
+        if cp > 1:  # ring attention: K and V around the ring forward, and with their gradients backward
+            rest += 3 * layers * coll_time("p2p", 2, 2 * b * s * h / tp * act_bytes, lk["cp"], calls=cp - 1)
+        t_pp = coll_time("p2p", 2, b * s * h / tp * act_bytes, lk["pp"]) if pp > 1 else 0.0
+        calls = max(1, math.ceil(params / run.bucket_elems)) if run.bucket_elems else \
+            max(1, math.ceil(params * GRAD_BYTES[prec] / CODE_BUCKET))
+        g, w = params * GRAD_BYTES[prec], params * WEIGHT_BYTES[prec]
+        hsdp = coll_time("all_reduce", repl, g / n_zero, lk["rep"], calls)  # across HSDP's replicas
+        dp_t = {0: (coll_time("all_reduce", n_zero, g, lk["dp"], calls) + hsdp, 0.0),
+                1: (coll_time("reduce_scatter", n_zero, g, lk["dp"], calls) + hsdp,
+                    coll_time("all_gather", n_zero, w, lk["dp"], calls))}
+        out.append(dict(k=k, params=params, layers=layers, t_c=t_c, tp=(blocks, rest), pp=t_pp, dp=dp_t))
+    return out
+
+
+def evaluate(config, cl, run, lay, opt, cache=None):
+    """One layout (dp, tp, pp, cp, dp_shard) with one choice of options (zero, recompute, schedule, v, b)
+    -> its row, or None if it cannot run. cache: stage_costs by b, for one layout."""
     dp, tp, pp, cp, shard = lay
     s_full, h, a, V, L = config.block_size, config.n_embd, config.n_head, config.vocab_size, config.n_layer
     b, v, schedule, recompute, zero = opt["b"], opt["v"], opt["schedule"], opt["recompute"], opt["zero"]
@@ -176,30 +221,16 @@ def evaluate(config, cl, run, lay, opt):
     m = run.batch // (dp * b)
     if pp == 1 and schedule != "1f1b" or schedule == "interleaved" and (v < 2 or L % (pp * v) or m % pp):
         return None
-    s = s_full // cp
-    local = dataclasses.replace(config, block_size=s)
-    prec = run.precision
-    act_bytes = 4 if prec == "fp32" else 2
-    n_zero = shard * cp  # the ranks a ZeRO stage shards over (HSDP: the shard group; cp ranks hold the same weights)
-    repl = dp // shard
-    stages = sorted({0, pp - 1})  # the first has the most layers (PP.stage_layers), the last the head
-    # links: strides on the mesh tp, cp, dp, pp
-    lk = dict(tp=span(tp, 1, cl), cp=span(cp, tp, cl), dp=span(shard, tp * cp, cl),
-              rep=span(repl, tp * cp * shard, cl), pp=span(pp, tp * cp * dp, cl))
-    cfg = SimpleNamespace(batch_size=run.batch, n_micro=m, dtype="bfloat16" if prec != "fp32" else "float32",
-                          sequence_parallel=True, grad_clip=1.0)
-    key = (dataclasses.astuple(local), cfg.batch_size, m, cfg.dtype, dp, tp, pp)
-    if key not in _MESSAGES:
-        _MESSAGES[key] = axis_messages(local, cfg, dp, tp, pp) if tp > 1 else []
-    msgs = _MESSAGES[key]
+    cache = {} if cache is None else cache
+    if b not in cache:
+        cache[b] = stage_costs(config, cl, run, lay, b)
+    s, prec = s_full // cp, run.precision
     mem = slot = t_dp = t_dp_mb = 0.0
     worst = None
-    for k in stages:
-        params = sum(stage_params(config, tp, pp, k)) + (V * h // tp) * (pp == 1 and not run.tied)
-        state = params * state_bytes(prec, zero, n_zero)
-        layers = len(PP.stage_layers(L, pp, k))
-        per_layer = layer_activations(s, b, h, a, tp, recompute, run.flash)
-        act = per_layer * layers * held(schedule, pp, m, v, k)
+    for st in cache[b]:
+        k, t_c = st["k"], st["t_c"][recompute]
+        state = st["params"] * state_bytes(prec, zero, shard * cp)
+        act = layer_activations(s, b, h, a, tp, recompute, run.flash) * st["layers"] * held(schedule, pp, m, v, k)
         if recompute == "full":
             act += layer_activations(s, b, h, a, tp, "selective", run.flash)  # the layer being recomputed
         if zero == 3:
@@ -207,45 +238,24 @@ def evaluate(config, cl, run, lay, opt):
         act += s * b * V / tp * (2 + 4) * (k == pp - 1)  # logits, and the float32 copy the loss takes
         if state + act > mem:
             mem, worst = state + act, (state, act)
-        # one micro-batch on this stage: compute, its tp collectives (the forward's again when recomputed)
-        _, hw = stage_flops(local, s, tp, cp, pp, k, recompute)
-        t_c = hw * b / (cl.peak * run.eff) + layers * layer_hbm_bytes(s, b, h, tp) / cl.hbm_bw
-        t_tp = 0.0
-        for msg in msgs:
-            if msg.axis == "tp" and msg.stage == k and msg.what != "norm" and msg.what != "replicas":
-                again = 1.5 if recompute == "full" and msg.what == "blocks, head" else 1
-                t_tp += again * msg.count / m * coll_time(msg.op, msg.n, msg.nbytes, lk["tp"])
-        if cp > 1:  # ring attention: K and V around the ring forward, and with their gradients backward
-            t_tp += 3 * layers * coll_time("p2p", 2, 2 * b * s * h / tp * act_bytes, lk["cp"], calls=cp - 1)
+        blocks, rest = st["tp"]
+        t_tp = blocks * (1.5 if recompute == "full" else 1) + rest
         exposed = max(0.0, t_tp - t_c) if run.tp_overlap else t_tp
-        t_pp = 2 * v * coll_time("p2p", 2, b * s * h / tp * act_bytes, lk["pp"]) if pp > 1 else 0.0
-        slot = max(slot, t_c + exposed + t_pp)
-        # the data-parallel collectives of this stage's parameters
-        calls = max(1, math.ceil(params / run.bucket_elems)) if run.bucket_elems else \
-            max(1, math.ceil(params * GRAD_BYTES[prec] / CODE_BUCKET))
-        g, w = params * GRAD_BYTES[prec], params * WEIGHT_BYTES[prec]
-        if zero == 0:
-            grads = coll_time("all_reduce", n_zero, g, lk["dp"], calls)
-            gather = 0.0
-        else:
-            grads = coll_time("reduce_scatter", n_zero, g, lk["dp"], calls)
-            gather = coll_time("all_gather", n_zero, w, lk["dp"], calls)
-        grads += coll_time("all_reduce", repl, g / n_zero, lk["rep"], calls)  # HSDP's replicas
+        slot = max(slot, t_c + exposed + 2 * v * st["pp"])  # its activations out, their gradients back
+        grads, gather = st["dp"][min(zero, 1)]
         if zero == 3:  # gather for forward and backward, reduce-scatter, every micro-batch
             per_mb = 2 * gather + grads
             t_dp_mb = max(t_dp_mb, max(0.0, per_mb - t_c) if run.dp_overlap else per_mb)
-        else:
+        else:  # gradients behind the last backward, the parameters' all-gather behind the first forward
             hidden = (2 / 3 * t_c, 1 / 3 * t_c) if run.dp_overlap else (0.0, 0.0)
             t_dp = max(t_dp, max(0.0, grads - hidden[0]) + max(0.0, gather - hidden[1]))
     slots = pipeline_slots(schedule, pp, m, v)
-    t_pipe = slots * slot
-    step = t_pipe + t_dp + m * t_dp_mb
-    gpus = dp * tp * pp * cp
+    step = slots * slot + t_dp + m * t_dp_mb
     flops = M.flops_per_token(config) * run.batch * s_full
-    return dict(dp_replicate=repl, dp_shard=shard, zero=zero, tp=tp, pp=pp, cp=cp, schedule=schedule, v=v,
+    return dict(dp_replicate=dp // shard, dp_shard=shard, zero=zero, tp=tp, pp=pp, cp=cp, schedule=schedule, v=v,
                 recompute=recompute, b=b, m=m, bubble=(slots - m) / slots, state_gb=worst[0] / 1e9,
                 act_gb=worst[1] / 1e9, mem_gb=mem / 1e9, fits=mem <= run.headroom * cl.mem, step_s=step,
-                dp_s=t_dp + m * t_dp_mb, mfu=flops / (step * gpus * cl.peak))
+                dp_s=t_dp + m * t_dp_mb, mfu=flops / (step * dp * tp * pp * cp * cl.peak))
 
 
 def options(config, run, lay, fixed=None):
@@ -281,7 +291,8 @@ def layouts(config, run):
 
 
 def best(config, cl, run, lay, fixed=None):
-    rows = [r for r in (evaluate(config, cl, run, lay, o) for o in options(config, run, lay, fixed)) if r]
+    cache = {}
+    rows = [r for r in (evaluate(config, cl, run, lay, o, cache) for o in options(config, run, lay, fixed)) if r]
     rows = [r for r in rows if not (lay[4] < lay[0] and r["zero"] != 3)]  # HSDP: a ZeRO-3 layout
     return min(rows, key=lambda r: (not r["fits"], r["step_s"] if r["fits"] else r["mem_gb"]), default=None)
 
@@ -373,7 +384,7 @@ def fit_eff(table):
     return (lo + hi) / 2
 
 
-def check(fit_on="mcore_h100", eff=None):
+def check(fit_on="narayanan2021", eff=None):
     data = json.load(open(DATA))
     tables = {t["name"]: t for t in data["tables"]}
     eff = eff or fit_eff(tables[fit_on])
@@ -411,6 +422,7 @@ def check(fit_on="mcore_h100", eff=None):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--check", action="store_true", help="hold the model to the published runs, and stop")
+    ap.add_argument("--fit_on", default="narayanan2021", help="--check: the table eff is fitted on (unless --eff)")
     ap.add_argument("--json", action="store_true", help="print the ranked layouts as one JSON document")
     ap.add_argument("--model", default="gpt2-xl", choices=sorted(MODELS))
     for k in ("n_layer", "n_embd", "n_head"):
@@ -422,7 +434,7 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, default=512, help="global batch, sequences")
     ap.add_argument("--micro_batch", type=int, default=0, help="sequences per micro-batch (b); 0: the best of 1..16")
     ap.add_argument("--cluster", default="H100", choices=sorted(CLUSTERS))
-    for k in ("gpus_per_node", "mem", "peak", "nvlink_bw", "ib_bw"):
+    for k in ("gpus_per_node", "mem", "peak", "nvlink_bw", "ib_bw", "hbm_bw"):
         ap.add_argument(f"--{k}", type=type(CLUSTERS["H100"][k]), default=None, help="overrides the cluster's")
     ap.add_argument("--precision", default="fp32", choices=sorted(STATE), help="fp32: this code's state")
     ap.add_argument("--zero", default="0,1,2,3", help="ZeRO stages to consider (3 includes HSDP)")
@@ -437,7 +449,10 @@ def main(argv=None):
     ap.add_argument("--top", type=int, default=8, help="fitting layouts to print (and as many that do not fit)")
     args = ap.parse_args(argv)
     if args.check:
-        return check(eff=args.eff or None)
+        names = [t["name"] for t in json.load(open(DATA))["tables"]]
+        if args.fit_on not in names:
+            M.die(f"--fit_on takes one of {', '.join(names)}, not {args.fit_on!r}")
+        return check(args.fit_on, eff=args.eff or None)
     preset = dict(MODELS[args.model])
     for k in ("n_layer", "n_embd", "n_head"):
         preset[k] = getattr(args, k) or preset[k]
@@ -474,9 +489,6 @@ def main(argv=None):
     else:
         show(rows, config, run, cl, args.top)
     return rows
-
-
-EFF = 0.5  # placeholder until the fit below is recorded
 
 
 if __name__ == "__main__":
