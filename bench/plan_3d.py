@@ -74,7 +74,9 @@ LAT_CALL, LAT_NVLINK, LAT_IB = 8.4e-6, 3.4e-6, 14e-6
 # bytes a parameter: (replicated, sharded over the ZeRO group of N), for ZeRO stage 0 (plain data parallel) to 3
 STATE = {
     "fp32": {0: (16, 0), 1: (8, 8), 2: (4, 12), 3: (0, 16)},      # this code: weight 4, gradient 4, Adam m, v 8
-    "megatron": {0: (18, 0), 1: (6, 12), 2: (2, 16), 3: (0, 18)},  # bf16 weight 2, fp32 main grad 4, fp32 copy+m+v 12
+    # bf16 weight 2, fp32 main gradient 4, fp32 copy, m, v 12: Megatron's table gives stages 0 and 1; 2 and 3
+    # shard the same bytes further, as ZeRO does
+    "megatron": {0: (18, 0), 1: (6, 12), 2: (2, 16), 3: (0, 18)},
     "zero": {0: (16, 0), 1: (4, 12), 2: (2, 14), 3: (0, 16)},      # fp16 weight 2, gradient 2, K = 12
 }
 WEIGHT_BYTES = dict(fp32=4, megatron=2, zero=2)  # what a ZeRO all-gather of parameters sends
@@ -145,9 +147,11 @@ def coll_time(op, n, nbytes, link, calls=1):
 
 
 def stage_flops(config, s, tp, cp, pp, stage, recompute):
-    """(model, hardware) FLOPs a rank of `stage` does for one sequence of s tokens: its layers' share
-    of model.flops_per_token (6N + 12·L·h·s) and the head's 6·V·h on the last stage, over tp·cp; full
-    recomputation repeats a layer's forward (2·12h² + 4·h·s a token), selective its attention (4·h·s)."""
+    """(model, hardware) FLOPs a rank of `stage` does for one sequence of s tokens (the whole sequence:
+    a cp rank's tokens attend to all of it): its layers' share of model.flops_per_token (6N + 12·L·h·s)
+    and the head's 6·V·h on the last stage, over tp·cp; full recomputation repeats a layer's forward
+    (2·12h² + 4·h·s a token), selective its attention (4·h·s). The recomputed forward's HBM traffic is
+    not added (layer_hbm_bytes counts one forward and one backward)."""
     h, V, L = config.n_embd, config.vocab_size, config.n_layer
     head = 6 * V * h
     per_layer = (M.flops_per_token(config) - head) / L
@@ -181,7 +185,7 @@ def stage_costs(config, cl, run, lay, b):
     act_bytes = 4 if prec == "fp32" else 2
     n_zero, repl = shard * cp, dp // shard  # ZeRO shards over the HSDP shard group and cp (same weights)
     # links: strides on the mesh tp, cp, dp, pp
-    lk = dict(tp=span(tp, 1, cl), cp=span(cp, tp, cl), dp=span(shard, tp * cp, cl),
+    lk = dict(tp=span(tp, 1, cl), cp=span(cp, tp, cl), dp=span(n_zero, tp, cl),
               rep=span(repl, tp * cp * shard, cl), pp=span(pp, tp * cp * dp, cl))
     cfg = SimpleNamespace(batch_size=run.batch, n_micro=m, dtype="bfloat16" if prec != "fp32" else "float32",
                           sequence_parallel=True, grad_clip=1.0)
@@ -191,7 +195,8 @@ def stage_costs(config, cl, run, lay, b):
         params = sum(stage_params(config, tp, pp, k)) + (V * h // tp) * (pp == 1 and not run.tied)
         layers = len(PP.stage_layers(L, pp, k))
         hbm = layers * layer_hbm_bytes(s, b, h, tp) / cl.hbm_bw
-        t_c = {rc: stage_flops(local, s, tp, cp, pp, k, rc)[1] * b / (cl.peak * run.eff) + hbm for rc in RECOMPUTE}
+        t_c = {rc: stage_flops(config, config.block_size, tp, cp, pp, k, rc)[1] * b / (cl.peak * run.eff) + hbm
+               for rc in RECOMPUTE}
         blocks = rest = 0.0
         for msg in msgs:
             if msg.axis == "tp" and msg.stage == k and msg.what not in ("norm", "replicas"):
@@ -378,7 +383,7 @@ def fit_eff(table):
     """The one fitted knob: the compute efficiency that makes the median predicted MFU of the table's
     published layouts equal the measured one (bisection: predicted MFU rises with it)."""
     lo, hi = 0.2, 1.0
-    for _ in range(30):
+    for _ in range(16):  # to 1e-5
         mid = (lo + hi) / 2
         errs = [r["mine"]["mfu"] / r["measured"] - 1 for r in (check_row(table, row, mid, False)
                                                                 for row in table["rows"])]
