@@ -85,7 +85,7 @@ SCHEDULES = ("1f1b", "interleaved", "zb", "gpipe")
 RECOMPUTE = ("none", "selective", "full")
 # the one fitted knob: the fraction of the dense peak compute reaches, fitted by --check on Narayanan et al.
 # 2021's Table 1 (fit_eff; tests/test_plan_3d.py holds this constant to the fit)
-EFF = 0.604
+EFF = 0.613
 CODE_BUCKET = 25 << 20  # bytes: this code's DDP buckets (Megatron's are counted in elements, run["bucket_elems"])
 
 
@@ -150,8 +150,7 @@ def stage_flops(config, s, tp, cp, pp, stage, recompute):
     """(model, hardware) FLOPs a rank of `stage` does for one sequence of s tokens (the whole sequence:
     a cp rank's tokens attend to all of it): its layers' share of model.flops_per_token (6N + 12·L·h·s)
     and the head's 6·V·h on the last stage, over tp·cp; full recomputation repeats a layer's forward
-    (2·12h² + 4·h·s a token), selective its attention (4·h·s). The recomputed forward's HBM traffic is
-    not added (layer_hbm_bytes counts one forward and one backward)."""
+    (2·12h² + 4·h·s a token), selective its attention (4·h·s)."""
     h, V, L = config.n_embd, config.vocab_size, config.n_layer
     head = 6 * V * h
     per_layer = (M.flops_per_token(config) - head) / L
@@ -161,15 +160,18 @@ def stage_flops(config, s, tp, cp, pp, stage, recompute):
     return model * s / (tp * cp), (model + n * extra) * s / (tp * cp)
 
 
-def layer_hbm_bytes(s, b, h, tp):
+def layer_hbm_bytes(s, b, h, tp, recompute="none"):
     """Bytes one layer moves through HBM for one micro-batch, forward and backward (an estimate): its
     four GEMMs read and write their three operands in bf16 once forward and twice backward (the input
     and the weight gradients), with sequence parallelism's gathered input whole on every rank; and the
     element-wise work (norms, GeLU, dropout, residuals, attention's inputs and outputs) writes the
-    34·s·b·h/t bytes Korthikanti et al. count in the forward and reads them in the backward."""
+    34·s·b·h/t bytes Korthikanti et al. count in the forward and reads them in the backward. Full
+    recomputation runs the forward twice."""
     M_ = s * b
     gemms = [(h, 3 * h / tp), (h / tp, h), (h, 4 * h / tp), (4 * h / tp, h)]  # (K, N): qkv, proj, fc, proj
-    return 3 * sum(2 * (M_ * K + K * N + M_ * N) for K, N in gemms) + 2 * 34 * s * b * h / tp
+    passes = 4 if recompute == "full" else 3
+    return (passes * sum(2 * (M_ * K + K * N + M_ * N) for K, N in gemms)
+            + passes / 3 * 2 * 34 * s * b * h / tp)
 
 
 def stage_costs(config, cl, run, lay, b):
@@ -194,9 +196,8 @@ def stage_costs(config, cl, run, lay, b):
     for k in sorted({0, pp - 1}):
         params = sum(stage_params(config, tp, pp, k)) + (V * h // tp) * (pp == 1 and not run.tied)
         layers = len(PP.stage_layers(L, pp, k))
-        hbm = layers * layer_hbm_bytes(s, b, h, tp) / cl.hbm_bw
-        t_c = {rc: stage_flops(config, config.block_size, tp, cp, pp, k, rc)[1] * b / (cl.peak * run.eff) + hbm
-               for rc in RECOMPUTE}
+        t_c = {rc: stage_flops(config, config.block_size, tp, cp, pp, k, rc)[1] * b / (cl.peak * run.eff)
+               + layers * layer_hbm_bytes(s, b, h, tp, rc) / cl.hbm_bw for rc in RECOMPUTE}
         blocks = rest = 0.0
         for msg in msgs:
             if msg.axis == "tp" and msg.stage == k and msg.what not in ("norm", "replicas"):
