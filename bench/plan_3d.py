@@ -16,24 +16,28 @@ The model:
            or ZeRO's fp16 accounting (Rajbhandari et al. 2020, Table 1), for the parameters a rank of the
            stage holds (parallel_3d.stage_params: 1/tp of the matrices, the small replicas whole); N is the
            ZeRO group (dp x cp, or HSDP's shard group). ZeRO-3 adds two gathered layers.
-  act      Korthikanti et al. 2022 eq. 6, tp with sequence parallelism: s·b·h·(34 + 5·a·s/h)/t bytes a
+  act      Korthikanti et al. 2022, tp with sequence parallelism: s·b·h·(34 + 5·a·s/h)/t bytes a
            layer; selective recomputation (or flash attention) drops the 5·a·s/h of the scores; full
            recomputation keeps the 2·s·b·h/t input of each layer and one layer's working set. s is the
            sequence a cp rank holds. Times the micro-batches a stage holds: 1F1B and ZB-H1 p - stage,
-           interleaved p + (p-1)/v (Korthikanti et al. 2022, §4.2.3), GPipe m; plus the last stage's logits.
+           interleaved p + (p-1)/v (Korthikanti et al. 2022: 1 + (p-1)/(p·v) times 1F1B's), GPipe m;
+           plus the last stage's logits.
+  compute  (6N + 12·L·h·s) FLOPs a token (model.flops_per_token), the recomputed forward's on top, at
+           `eff` of the dense peak, plus each layer's HBM traffic (layer_hbm_bytes) at the data sheet's
+           bandwidth, unoverlapped.
   links    every group of an axis on the mesh tp (innermost), cp, dp, pp (outermost): on NVLink when it
            fits in a node, else InfiniBand (per GPU, its own NIC). A ring collective of S bytes on n ranks
            over k nodes costs L + (steps - inter)·a_nvl + inter·a_ib + steps/n · S/beta, steps = 2(n-1)
            for an all-reduce, n-1 for a reduce-scatter or all-gather, inter = 2(k-1) or k-1 of them
            crossing nodes: the latency is paid per ring step and per call (a ring pipelines its segments),
            as NCCL's tuning model charges it; a bucketed collective pays L and the steps once a bucket.
-  time     compute at `eff` of the dense peak (the one fitted knob), with the recomputation's extra
-           forward; a pipeline slot is the slowest stage's micro-batch (compute, its tp collectives unless
+  time     a pipeline slot is the slowest stage's micro-batch (compute, its tp collectives unless
            overlapped with its GEMMs, its 2·v boundary messages); a step is (m + p - 1) slots for 1F1B and
-           GPipe, (m + (p-1)/v) interleaved (Narayanan et al. 2021, §2.2.2: bubble (p-1)/(v·m + p - 1)),
+           GPipe, (m + (p-1)/v) interleaved (Narayanan et al. 2021: bubble (p-1)/(v·m + p - 1)),
            (m + (p-1)/3) for ZB-H1 (Qi et al. 2023: bubble about (p-1)/(3m)); then what of the dp
            collectives outlasts the compute it overlaps (the last micro-batch's backward for gradients, the
            first one's forward for the parameters' all-gather; ZeRO-3 gathers every micro-batch).
+`eff` is the one fitted knob (--check fits it on one published table and predicts the others with it).
 Not modelled: matmul efficiency by shard size (one eff for every GEMM), the optimizer step's own time,
 contention between axes on a node's NICs, NVLink SHARP, kernel launch gaps. Compare rankings first.
 """
@@ -62,7 +66,7 @@ MODELS = dict(M.PRESETS, **{
 # Per GPU, each way. H100 SXM: 989 TFLOP/s dense bf16, NVLink 4 900 GB/s both ways (H100 data sheet);
 # DGX H100: one 400 Gb/s ConnectX-7 NIC per GPU (DGX H100 data sheet). A100 SXM 80 GB: 312 TFLOP/s bf16,
 # NVLink 3 600 GB/s both ways (A100 data sheet); Selene's nodes: eight 200 Gb/s HDR NICs (Narayanan et al.
-# 2021, §5.1). HBM: H100 SXM 3.35 TB/s, A100 80 GB SXM 2.039 TB/s (data sheets). Line rates: what NCCL
+# 2021, section 5). HBM: H100 SXM 3.35 TB/s, A100 80 GB SXM 2.039 TB/s (data sheets). Line rates: what NCCL
 # reaches is somewhat less (no efficiency factor is applied).
 CLUSTERS = {
     "H100": dict(gpus_per_node=8, nvlink_bw=450e9, ib_bw=50e9, mem=80e9, peak=989e12, hbm_bw=3.35e12),
@@ -101,7 +105,8 @@ def state_bytes(precision, zero, n):
 
 
 def layer_activations(s, b, h, a, tp, recompute, flash=False):
-    """Bytes one layer keeps for its backward (Korthikanti et al. 2022, eqs. 2, 6 and §4.3)."""
+    """Bytes one layer keeps for its backward (Korthikanti et al. 2022: tp with sequence parallelism, and
+    what selective and full recomputation keep)."""
     if recompute == "full":
         return 2 * s * b * h / tp
     scores = 0 if recompute == "selective" or flash else 5 * a * s / h
