@@ -363,9 +363,7 @@ def table_setup(table, row, eff):
                           bucket_elems=r["bucket_elems"], schedules=["1f1b", "interleaved"],
                           micro_batches=[1, 2, 4, 8, 16], headroom=0.95)
     dp = row["gpus"] // (row["tp"] * row["pp"])
-    fixed = {k: row[k] for k in ("b",) if k in row}
-    if "micro_batch" in row:
-        fixed["b"] = row["micro_batch"]
+    fixed = {"b": row["micro_batch"]} if "micro_batch" in row else {}  # the options the source gives
     if "v" in row:
         fixed.update(schedule="interleaved" if row["v"] > 1 else "1f1b", v=row["v"])
     return config, cl, run, (dp, row["tp"], row["pp"], 1, dp), fixed
