@@ -46,7 +46,7 @@ tp rank sends the whole activation across a boundary: tp copies of the same byte
 each sends only its own positions.
 
 The step: each dp rank takes its contiguous rows of the global batch, the pipeline
-cuts them into m micro-batches and runs GPipe or 1F1B (--schedule); every stage runs
+cuts them into m micro-batches and runs GPipe, 1F1B or ZB-H1 (--schedule); every stage runs
 tensor parallel's forward pieces on its tp group; then the dp all-reduce completes,
 sequence parallel's replicas are summed over tp, the tied copies over the two pipeline
 ends, and the gradients are clipped by the global norm: squared norms summed over tp
@@ -217,6 +217,7 @@ class Stage(nn.Module):
         self.config, self.group, self.sp = config, group, sp
         self.first, self.last = stage == 0, stage == n_stages - 1
         self.layers = PP.stage_layers(config.n_layer, n_stages, stage)
+        self.n_chunks = n_stages  # the executor's chunk numbers: this stage's is its index
         self.transformer = nn.ModuleDict(dict(h=nn.ModuleDict(
             {str(i): TP.parallel_block(M.build_unit(config, i, seed), group, sp) for i in self.layers})))
         if self.first:
@@ -235,7 +236,7 @@ class Stage(nn.Module):
         """This stage's copy of the tied matrix (its tp slice), None in the middle."""
         return self.head().weight if self.first or self.last else None
 
-    def forward(self, x, targets=None):
+    def forward(self, x, targets=None, chunk=None):
         """Token ids (b, s) on the first stage, else the previous stage's (s, b, h) (with
         sequence parallelism (s/tp, b, h)); -> the same for the next stage, or the loss."""
         t, g, sp = self.transformer, self.group, self.sp
@@ -247,16 +248,24 @@ class Stage(nn.Module):
 
 
 class Executor(PP.Executor):
-    """pipeline_parallel's executor, which also arms the dp buckets' gradient hooks for the
-    last micro-batch's backward only: the gradients are complete then, and the all-reduce of
-    each bucket starts as soon as backward has finished it (ddp.py's overlap), while the
-    earlier micro-batches only accumulate."""
-    buckets = None
+    """pipeline_parallel's executor, which also arms the dp buckets' gradient hooks (None:
+    none) for the last micro-batch's weight gradients only (its backward, or its W under
+    --schedule=zb): the gradients are complete then, and the all-reduce of each bucket starts
+    as soon as they have filled it (ddp.py's overlap); earlier micro-batches only accumulate."""
 
-    def backward(self, m):
+    def __init__(self, *args, buckets=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.buckets = buckets
+
+    def backward(self, a, *args):
         if self.buckets is not None:
-            self.buckets.sync = m == self.n_micro - 1
-        super().backward(m)
+            self.buckets.sync = a.micro == self.n_micro - 1
+        super().backward(a, *args)
+
+    def weight_grad(self, a, *args):
+        if self.buckets is not None:
+            self.buckets.sync = a.micro == self.n_micro - 1
+        super().weight_grad(a, *args)
 
 
 def checkpoint_entries(stage, tp_group, dp_rank):
@@ -315,7 +324,7 @@ def main(argv=None):
     if min(cfg.tp, cfg.pp) < 1 or cfg.dp < 0:
         M.die(f"--tp and --pp must be at least 1 and --dp at least 0 (0: the rest), not {cfg.dp}, {cfg.tp}, {cfg.pp}")
     if cfg.schedule not in PP.SCHEDULES:
-        M.die(f"--schedule takes {' or '.join(PP.SCHEDULES)}, not {cfg.schedule!r}")
+        M.die(f"--schedule takes {', '.join(PP.SCHEDULES)}, not {cfg.schedule!r}")
     if cfg.n_micro < 1 or cfg.bucket_mb <= 0:
         M.die("--n_micro must be at least 1 and --bucket_mb positive")
     run = M.start(cfg, "parallel_3d")
@@ -338,15 +347,15 @@ def main(argv=None):
     M.restore(run, checkpoint_entries(stage, tp_group, dp_rank), optimizer)  # both tied copies are loaded
     act_shape = (config.block_size // tp if sp else config.block_size, cfg.batch_size // (dp * n_micro), config.n_embd)
     executor = Executor(stage, act_shape, n_micro, run.autocast, torch.compile(stage) if cfg.compile else None,
-                        pp_group)
-    executor.buckets = buckets if cfg.overlap else None
-    train_plan, eval_plan = PP.plan(cfg.schedule, pp, n_micro, pp_rank), PP.plan("forward", pp, n_micro, pp_rank)
+                        pp_group, buckets=buckets if cfg.overlap else None)
+    train_plan = PP.plan(cfg.schedule, pp, n_micro, pp_rank)
+    eval_plan = PP.plan(cfg.schedule, pp, n_micro, pp_rank, train=False)
     formula = {a: axis_bytes(config, cfg, dp, tp, pp, stage=pp_rank)[a] / n for a, n in zip(AXES, (dp, tp, pp))}
     if rank == 0:
         print(f"parallel_3d: dp={dp} x tp={tp} x pp={pp} = {world} ranks{', sequence parallel' if sp else ''}, "
               f"{M.param_count(config) / 1e6:.2f}M parameters, schedule {cfg.schedule}, {n_micro} micro-batches of "
-              f"{act_shape[1]} x {config.block_size} tokens per pipeline, bubble (p-1)/(m+p-1) = "
-              f"{(pp - 1) / (n_micro + pp - 1):.1%}")
+              f"{act_shape[1]} x {config.block_size} tokens per pipeline, bubble "
+              f"{PP.bubble(cfg.schedule, pp, n_micro):.1%}")
 
     def rows(step, split):  # this dp rank's rows of the global batch, cut into the micro-batches
         return partial(M.batch, run, step, split, n_micro=n_micro, dp_rank=dp_rank, dp_size=dp)
