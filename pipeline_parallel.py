@@ -1,16 +1,20 @@
 """
 Pipeline parallel training: the model is cut by depth into chunks of consecutive blocks,
-each rank holds one chunk, and the global batch is cut into --n_micro = m
+each rank holds one chunk (or v), and the global batch is cut into --n_micro = m
 micro-batches that flow through the chunks like cars down an assembly line.
 
     python pipeline_parallel.py                                  # one stage: the reference run
     torchrun --nproc_per_node=4 pipeline_parallel.py --n_micro=8 --schedule=1f1b --timeline=True
+    torchrun --nproc_per_node=4 pipeline_parallel.py --n_micro=8 --schedule=interleaved --virtual_stages=2
     torchrun --nproc_per_node=2 pipeline_parallel.py --schedule=zb
 
 The schedules (p ranks; the bubble is the idle share of the step, at unit costs):
   gpipe        all m forwards, then all m backwards (Huang et al. 2019): holds m micro-batches.
   1f1b         p-1-r forwards, then one forward one backward (PipeDream-Flush, Narayanan et al.
                2021): the same bubble (p-1)/(m+p-1), at most p micro-batches held.
+  interleaved  rank r holds the v chunks r, r+p, ... of p·v (--virtual_stages; Megatron-LM,
+               Narayanan et al. 2021): bubble (p-1)/(v·m+p-1), for v times the boundary
+               crossings; needs m % p == 0.
   zb           ZB-H1 (Qi et al. 2023, "Zero Bubble Pipeline Parallelism"): each backward split in
                B (the input's gradient, which the previous rank waits for) and W (the weights',
                which nobody waits for), W deferred into the cool-down's bubble: with F = B = W
@@ -38,27 +42,36 @@ import torch.nn as nn
 import collectives as C
 import model as M
 
-DEFAULTS = dict(M.TRAIN_DEFAULTS, schedule="1f1b", n_micro=4, timeline=False)
-SCHEDULES = ("gpipe", "1f1b", "zb")
+DEFAULTS = dict(M.TRAIN_DEFAULTS, schedule="1f1b", n_micro=4, virtual_stages=2, timeline=False)
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
 BOUNDARY_DTYPE = torch.float32  # the residual stream: float32 under bf16 autocast, as in the one-process run
 
 # -----------------------------------------------------------------------------
 # the schedules, as data: pure functions, printable and testable without a model
 #
-# A compute action is Compute("F"|"B"|"W", chunk, micro): a forward of micro-batch `micro`
-# through chunk `chunk` (here the rank's stage); a backward (the whole of it, or with W
-# split off: only the input's gradient); W, the weights' gradient.
+# The model is cut into p·v chunks of consecutive blocks; rank r holds chunks r, r+p, ...
+# (v = 1 but for interleaved). A compute action is Compute("F"|"B"|"W", chunk, micro): a
+# forward of micro-batch `micro` through `chunk`; its backward (the whole of it, or with W
+# split off only the input's gradient); W, the weights' gradient.
 
 Compute = namedtuple("Compute", "kind chunk micro")
 Message = namedtuple("Message", "kind chunk micro")  # "act": chunk's output; "grad": the gradient of its input
-Exchange = namedtuple("Exchange", "send dst recv src")  # send Message to rank dst, receive one from src
+Exchange = namedtuple("Exchange", "sends recvs")  # ((Message, to rank), ...), ((Message, from rank), ...)
 
 
-def schedule(name, p, m, r):
+def schedule(name, p, m, r, v=1):
     """The compute actions of rank r of p, in order, for m micro-batches."""
+    return [a for step in steps(name, p, m, r, v) for a in step]
+
+
+def steps(name, p, m, r, v=1):
+    """schedule() cut into the runs of computes between two exchanges: one compute each, but
+    interleaved's steady state, which exchanges once per forward-backward pair."""
     F, B, W = (partial(Compute, kind) for kind in "FBW")
     if name == "gpipe":
-        return [F(r, k) for k in range(m)] + [B(r, k) for k in range(m)]
+        return [[F(r, k)] for k in range(m)] + [[B(r, k)] for k in range(m)]
+    if name == "interleaved":
+        return interleaved(p, m, r, v)
     # 1F1B: the gradient of micro-batch 0 reaches rank r only after it has passed the p-1-r
     # ranks behind it and come back: time for p-1-r forwards (the warm-up)
     warmup = min(p - 1 - r, m)
@@ -66,7 +79,7 @@ def schedule(name, p, m, r):
     if name == "1f1b":
         for k in range(m - warmup):
             order += [F(r, warmup + k), B(r, k)]
-        return order + [B(r, k) for k in range(m - warmup, m)]
+        return [[a] for a in order + [B(r, k) for k in range(m - warmup, m)]]
     if name != "zb":
         raise ValueError(f"unknown schedule {name!r}")
     # ZB-H1: 1F1B with each backward split into B and W. Rank r holds r micro-batches fewer
@@ -76,15 +89,31 @@ def schedule(name, p, m, r):
         order += [F(r, warmup + k), B(r, k)] + ([W(r, k - r)] if k >= r else [])
     for k in range(m - warmup, m):
         order += [B(r, k)] + ([W(r, k - r)] if k >= r else [])
-    return order + [W(r, k) for k in range(max(m - r, 0), m)]
+    return [[a] for a in order + [W(r, k) for k in range(max(m - r, 0), m)]]
 
 
-def plan(name, p, m, r, train=True):
-    """schedule() with its messages: before each F or B one Exchange that sends what the
-    previous F or B produced and receives what this one needs (either may be None):
-    activations go to r+1 and come from r-1, gradients the other way. W needs no message:
-    the W's go before the exchange in front of a forward (the partner is still busy with
-    its own forward), and between the send and the receive in front of a backward (the
+def interleaved(p, m, r, v):
+    """Megatron-LM's interleaved 1F1B, as steps: forwards go through the chunks p micro-batches
+    at a time (chunk r for micro-batches 0..p-1, then chunk r+p for them, ...), backwards the
+    other way; the warm-up covers the time for micro-batch 0 to pass all p·v chunks and come
+    back. With m == p there is no steady state: all forwards first, as Megatron does."""
+    total = v * m  # forwards (and backwards) of this rank
+
+    def at(k, forward):  # the k-th forward (backward): (chunk, micro-batch)
+        j = k // p % v
+        return r + p * (j if forward else v - 1 - j), k // (p * v) * p + k % p
+    warmup = total if m == p else min(2 * (p - 1 - r) + (v - 1) * p, total)
+    out = [[Compute("F", *at(k, True))] for k in range(warmup)]
+    out += [[Compute("F", *at(warmup + k, True)), Compute("B", *at(k, False))] for k in range(total - warmup)]
+    return out + [[Compute("B", *at(k, False))] for k in range(total - warmup, total)]
+
+
+def plan(name, p, m, r, v=1, train=True):
+    """steps() with their messages: before each step one Exchange that sends what the
+    previous step produced and receives what this one needs, from and to the ranks that hold
+    the neighbouring chunks (a neighbour on this rank needs no message). W needs no message:
+    the W's go before the exchange in front of a forward (the partner is still busy with its
+    own forward), and between the sends and the receive in front of a backward (ZB-H1's
     cool-down, where they fill the wait for the gradient). train=False: the forwards only.
 
     Why this pairing cannot deadlock: in 1F1B's steady state rank r has just finished a
@@ -92,26 +121,32 @@ def plan(name, p, m, r, train=True):
     must send a gradient to r. If both sent first and then received, each could wait for
     the other to post its receive (NCCL's blocking send does). Posting "send activation +
     receive gradient" together on r, and "send gradient + receive activation" on r+1 (one
-    C.sendrecv each, one batch_isend_irecv), lets both pairs complete at once. simulate()
-    checks, for every schedule, that every exchange completes and that messages between
-    two ranks match in posting order, which is how NCCL and gloo pair them."""
-    actions, pending, dst, weights = [], None, None, []
-    for a in schedule(name, p, m, r):
-        if not train and a.kind != "F":
+    batch_isend_irecv each), lets both pairs complete at once. simulate() checks, for every
+    schedule, that every exchange completes and that messages between two ranks match in
+    posting order, which is how NCCL and gloo pair them."""
+    n = p * v
+
+    def needs(a):  # [(Message, from rank)] that compute a waits for
+        c = a.chunk - 1 if a.kind == "F" else a.chunk + 1 if a.kind == "B" else -1
+        return [(Message("act" if a.kind == "F" else "grad", c, a.micro), c % p)] if 0 <= c < n and c % p != r else []
+
+    def makes(a):  # [(Message, to rank)] that compute a produces for another rank
+        c = a.chunk + 1 if a.kind == "F" else a.chunk - 1 if a.kind == "B" else -1
+        return [(Message("act" if a.kind == "F" else "grad", a.chunk, a.micro), c % p)] if 0 <= c < n and c % p != r \
+            else []
+    actions, pending, weights = [], [], []
+    for step in steps(name, p, m, r, v):
+        step = [a for a in step if train or a.kind == "F"]
+        if not step or step[0].kind == "W":
+            weights += step
             continue
-        if a.kind == "W":  # needs no message, makes none: placed around the next exchange (below)
-            weights.append(a)
-            continue
-        need, src = ((Message("act", r - 1, a.micro), r - 1) if a.kind == "F" and r > 0 else
-                     (Message("grad", r + 1, a.micro), r + 1) if a.kind == "B" and r < p - 1 else (None, None))
-        if weights and a.kind == "B":  # the cool-down: B's gradient leaves at once, the W's fill the wait
-            actions += [Exchange(pending, dst, None, None)] if pending else []
-            pending = dst = None
-        actions += weights + ([Exchange(pending, dst, need, src)] if pending or need else []) + [a]
-        weights = []
-        pending, dst = ((Message("act", r, a.micro), r + 1) if a.kind == "F" and r < p - 1 else
-                        (Message("grad", r, a.micro), r - 1) if a.kind == "B" and r > 0 else (None, None))
-    return actions + ([Exchange(pending, dst, None, None)] if pending else []) + weights
+        recvs = [x for a in step for x in needs(a)]
+        if weights and step[0].kind == "B" and pending:  # the cool-down: B's gradient leaves at once
+            actions.append(Exchange(tuple(pending), ()))
+            pending = []
+        actions += weights + ([Exchange(tuple(pending), tuple(recvs))] if pending or recvs else []) + step
+        weights, pending = [], [x for a in step for x in makes(a)]
+    return actions + ([Exchange(tuple(pending), ())] if pending else []) + weights
 
 # -----------------------------------------------------------------------------
 # the model, cut by depth
@@ -126,15 +161,16 @@ def stage_layers(n_layer, n_chunks, chunk):
 
 
 class Stage(nn.Module):
-    """One rank's chunk of the GPT, under the GPT's own
+    """One rank's chunks of the GPT (r, r+p, ... of p·v), under the GPT's own
     parameter names, so that its state_dict is a piece of GPT(config).state_dict() and the
-    pieces of all ranks make the whole, whatever p. Every unit is built from the same
+    pieces of all ranks make the whole, whatever p and v. Every unit is built from the same
     seed as model.py builds it. The first rank holds the embedding, the last the head."""
 
-    def __init__(self, config, stage, n_stages, seed):
+    def __init__(self, config, stage, n_stages, seed, n_virtual=1):
         super().__init__()
         self.config, self.first, self.last = config, stage == 0, stage == n_stages - 1
-        self.n_chunks, self.chunks = n_stages, {stage: stage_layers(config.n_layer, n_stages, stage)}  # chunk: blocks
+        self.n_chunks = n_stages * n_virtual
+        self.chunks = {c: stage_layers(config.n_layer, self.n_chunks, c) for c in range(stage, self.n_chunks, n_stages)}
         self.transformer = nn.ModuleDict(dict(h=nn.ModuleDict({str(i): M.build_unit(config, i, seed)
                                                                for c in self.chunks for i in self.chunks[c]})))
         if self.first:
@@ -206,7 +242,7 @@ class Executor:
         does not wait). -> the micro-batches' losses on the last stage, [] elsewhere."""
         self.mail, self.held, self.losses = {}, {}, []  # held: (chunk, m) -> (input, output, bytes, grad)
         self.peak_held = self.peak_bytes = 0
-        self.split = any(isinstance(a, Compute) and a.kind == "W" for a in actions)  # B leaves the weights' gradient to W
+        self.split = any(isinstance(a, Compute) and a.kind == "W" for a in actions)  # B leaves the weights' to W
         for a in actions:
             if isinstance(a, Exchange):
                 self.exchange(a)
@@ -219,14 +255,18 @@ class Executor:
 
     def exchange(self, a):
         """send_forward (an activation to the next chunk's rank), send_backward (a gradient
-        to the previous one), recv_forward, recv_backward, or one of each, posted together
-        as one C.sendrecv (plan() says why together)."""
-        out = self.mail.pop(a.send) if a.send else None
-        buf = torch.empty(self.act_shape, dtype=BOUNDARY_DTYPE, device=self.device) if a.recv else None
-        C.sendrecv(out, None if a.send is None else self.ranks[a.dst],
-                   buf, None if a.recv is None else self.ranks[a.src], group=self.group)
-        if a.recv:
-            self.mail[a.recv] = buf
+        to the previous one), recv_forward, recv_backward: all of an exchange posted together
+        (plan() says why), as one C.sendrecv, or for interleaved's steady state (up to two
+        of each) one C.batch_sendrecv."""
+        sends = [(self.mail.pop(msg), self.ranks[dst]) for msg, dst in a.sends]
+        recvs = [(torch.empty(self.act_shape, dtype=BOUNDARY_DTYPE, device=self.device), self.ranks[src])
+                 for _, src in a.recvs]
+        if len(sends) > 1 or len(recvs) > 1:
+            C.batch_sendrecv(sends, recvs, group=self.group)
+        else:
+            C.sendrecv(*(sends[0] if sends else (None, None)), *(recvs[0] if recvs else (None, None)), group=self.group)
+        for (msg, _), (buf, _) in zip(a.recvs, recvs):
+            self.mail[msg] = buf
 
     def forward(self, a, batch, train):
         stage, c, k = self.stage, a.chunk, a.micro
@@ -325,8 +365,11 @@ def traffic_per_rank(config, cfg, world):
     dtype under each --dtype:
 
       message                        numbers per step                       float32  bfloat16
-      activations, their gradients   2·B·s·h across each of the p-1         float32  float32 (1)
-                                     boundaries (m·b·s·h each way)
+      activations, their gradients   2·B·s·h across each of the p·v-1 chunk  float32  float32 (1)
+                                     boundaries (m·b·s·h each way): v = 1
+                                     but for interleaved, whose v chunks a
+                                     rank multiply the p-1 crossings by
+                                     (p·v-1)/(p-1), about v
       the tied matrix's gradient     V·h from each of the two ends          float32  float32 (2)
       the squared gradient norm      1 per stage, all_reduced: a tree       float32  float32
                                      sends 2(p-1) in all
@@ -335,7 +378,7 @@ def traffic_per_rank(config, cfg, world):
     So a step sends the same bytes under both."""
     if world == 1:
         return 0
-    act = 2 * (world - 1) * cfg.batch_size * config.block_size * config.n_embd * BOUNDARY_DTYPE.itemsize
+    act = 2 * (world * virtual_stages(cfg) - 1) * cfg.batch_size * config.block_size * config.n_embd * BOUNDARY_DTYPE.itemsize
     tie = 2 * config.vocab_size * config.n_embd * 4
     norm = 2 * (world - 1) * 4 if cfg.grad_clip else 0
     return (act + tie + norm) / world
@@ -345,19 +388,30 @@ def traffic_per_rank(config, cfg, world):
 
 
 def check_schedule(cfg):
-    """One line and exit on every rank, before any message, for a bad schedule."""
+    """-> v, the chunks a rank holds; or one line and exit on every rank, before any message."""
     if cfg.schedule not in SCHEDULES:
         M.die(f"--schedule takes {', '.join(SCHEDULES)}, not {cfg.schedule!r}")
     if cfg.n_micro < 1:
         M.die("--n_micro must be at least 1")
     if cfg.batch_size % cfg.n_micro:
         M.die(f"--batch_size={cfg.batch_size} does not divide into --n_micro={cfg.n_micro} micro-batches")
+    if cfg.schedule == "interleaved" and cfg.virtual_stages < 1:
+        M.die(f"--virtual_stages must be at least 1, not {cfg.virtual_stages}")
+    return virtual_stages(cfg)
 
 
-def bubble(name, p, m):
+def virtual_stages(cfg):
+    """v, the chunks a stage holds: --virtual_stages under interleaved, else 1."""
+    return cfg.virtual_stages if getattr(cfg, "schedule", None) == "interleaved" else 1
+
+
+def bubble(name, p, m, v=1):
     """The idle share of the step at unit costs (F = 1, B = 2 unsplit; F = B = W = 1 split).
-    ZB-H1 with m < p never reaches its steady state: the first W's have nothing to fill,
-    and p-m more units pass before the last gradient is back."""
+    Interleaved: each of the v·m forwards of a rank is 1/v of a stage's, the fill still p-1
+    of them. ZB-H1 with m < p never reaches its steady state: the first W's have nothing to
+    fill, and p-m more units pass before the last gradient is back."""
+    if name == "interleaved":
+        return (p - 1) / (v * m + p - 1)
     if name != "zb":
         return (p - 1) / (m + p - 1)
     idle = p - 1 + max(p - m, 0)
@@ -366,25 +420,28 @@ def bubble(name, p, m):
 
 def main(argv=None):
     cfg = M.parse_args(DEFAULTS, argv, __doc__)
-    check_schedule(cfg)
+    v = check_schedule(cfg)
     run = M.start(cfg, "pipeline")
     rank, device, config = run.rank, run.device, run.config
     group = None  # the whole world is one pipeline; parallel_3d.py runs these pieces on a sub-group
     n_stages, me, last_rank = C.get_world_size(group), C.get_rank(group), C.group_ranks(group)[-1]
-    if n_stages > config.n_layer:
-        M.die(f"{n_stages} stages but the model has {config.n_layer} blocks: each stage needs at least one")
+    if n_stages * v > config.n_layer:
+        what = f"{n_stages} stages x {v} chunks" if v > 1 else f"{n_stages} stages"
+        M.die(f"{what} but the model has {config.n_layer} blocks: each {'chunk' if v > 1 else 'stage'} needs at least one")
+    if cfg.schedule == "interleaved" and cfg.n_micro % n_stages:  # Megatron's: the micro-batches go p at a time
+        M.die(f"--schedule=interleaved needs --n_micro ({cfg.n_micro}) divisible by the {n_stages} stages")
     n_micro = cfg.n_micro
-    run.layout = dict(stages=n_stages, schedule=cfg.schedule)
+    run.layout = dict(stages=n_stages, schedule=cfg.schedule) | (dict(virtual_stages=v) if v > 1 else {})
 
-    stage = Stage(config, me, n_stages, cfg.seed).to(device)
+    stage = Stage(config, me, n_stages, cfg.seed, v).to(device)
     params = list(stage.parameters())  # a tensor used twice (one stage: the tie) is listed once
     optimizer = M.make_optimizer(stage.named_parameters(), cfg, device)
     M.restore(run, checkpoint_entries(stage), optimizer)  # both copies of the tied matrix are loaded
     act_shape = (cfg.batch_size // n_micro, config.block_size, config.n_embd)  # crosses a boundary, each way
     executor = Executor(stage, act_shape, n_micro, run.autocast, torch.compile(stage) if cfg.compile else None, group)
-    train_plan, eval_plan = plan(cfg.schedule, n_stages, n_micro, me), plan(cfg.schedule, n_stages, n_micro, me, False)
+    train_plan, eval_plan = (plan(cfg.schedule, n_stages, n_micro, me, v, train) for train in (True, False))
     if rank == 0:
-        print_layout(cfg, config, n_stages, act_shape)
+        print_layout(cfg, config, n_stages, v, act_shape)
 
     @torch.no_grad()
     def evaluate():
@@ -411,28 +468,28 @@ def main(argv=None):
         # ---------------------------------------------------------------- end of the training step
         times = action_times(stamps, device)
         if cfg.timeline and it == cfg.max_iters - 1:
-            measured = gather_timelines(times, cfg.schedule, n_micro, device, group)
+            measured = gather_timelines(times, cfg.schedule, n_micro, v, device, group)
         state = M.tensor_bytes(params) + M.tensor_bytes(p.grad for p in params) + M.optimizer_state_bytes(optimizer)
-        run.record["bubble_theory"] = bubble(cfg.schedule, n_stages, n_micro)  # one number for the run
+        run.record["bubble_theory"] = bubble(cfg.schedule, n_stages, n_micro, v)  # one number for the run
         M.end_iter(run, loss=torch.stack(losses).mean() if losses else 0.0, grad_norm=norm, state_bytes=state,
                    loss_ranks=[last_rank], idle_frac=idle_fraction(times, device, group),
                    peak_micro=executor.peak_held, act_bytes=executor.peak_bytes)
     if measured is not None:
-        print_timeline(cfg.schedule, n_stages, n_micro, measured)
+        print_timeline(cfg.schedule, n_stages, n_micro, v, measured)
     return M.finish(run)
 
 # -----------------------------------------------------------------------------
 # instruments: the simulator, the measured bubble, the timeline
 
 
-def simulate(name, p, m, cost=None):
+def simulate(name, p, m, v=1, cost=None, train=True):
     """Execute every rank's plan on paper, all together: a compute takes its cost (default
     F = 1 and B = 2, or B = W = 1 when the schedule splits them), a message nothing, and an
     exchange completes only once the other end of each of its messages has been posted (the
     strictest semantics, so what completes here completes on NCCL and gloo). Messages
     between two ranks match in posting order. Returns each rank's timeline
     [(Compute, start, end)]; raises if messages mismatch or the ranks deadlock."""
-    plans = [plan(name, p, m, r) for r in range(p)]
+    plans = [plan(name, p, m, r, v, train) for r in range(p)]
     split = any(isinstance(a, Compute) and a.kind == "W" for pl in plans for a in pl)
     cost = cost or dict(F=1, B=1 if split else 2, W=1)
     pos, clock, posted = [0] * p, [0] * p, [None] * p
@@ -449,7 +506,8 @@ def simulate(name, p, m, cost=None):
                     clock[r] += cost[a.kind]
                 elif posted[r] is None:  # post both messages of the exchange, then wait for them
                     posted[r] = []
-                    for side, key, msg in ((0, (r, a.dst), a.send), (1, (a.src, r), a.recv)):
+                    for side, key, msg in ([(0, (r, dst), msg) for msg, dst in a.sends] +
+                                           [(1, (src, r), msg) for msg, src in a.recvs]):
                         if msg:
                             mine = channels.setdefault(key, ([], []))[side]
                             mine.append((msg, clock[r]))
@@ -472,13 +530,12 @@ def simulate(name, p, m, cost=None):
     return timelines
 
 
-def show(a):
-    """F3, B3, W3 (micro-batch 3), or an exchange such as [>a3 <g1]: send activation 3,
-    receive gradient 1."""
+def show(a, v=1):
+    """F3, B3, W3 (micro-batch 3; with v > 1 chunks, F5.3: chunk 5's), or an exchange such
+    as [>a3 <g1]: send activation 3, receive gradient 1."""
     if isinstance(a, (Compute, Message)):
-        return f"{a.kind[0]}{a.micro}"
-    marks = ([">" + show(a.send)] if a.send else []) + (["<" + show(a.recv)] if a.recv else [])
-    return "[" + " ".join(marks) + "]"
+        return f"{a.kind[0]}{a.chunk}.{a.micro}" if v > 1 else f"{a.kind[0]}{a.micro}"
+    return "[" + " ".join([">" + show(x, v) for x, _ in a.sends] + ["<" + show(x, v) for x, _ in a.recvs]) + "]"
 
 
 def idle_fractions(timelines):
@@ -514,27 +571,28 @@ def draw(timelines, width):
     return "\n".join(lines)
 
 
-def paper_width(name, p, m):
+def paper_width(name, p, m, v=1):
     """Columns for draw(): one per unit of the simulated span."""
-    t = simulate(name, p, m)
+    t = simulate(name, p, m, v)
     return round(max(x[-1][2] for x in t) - min(x[0][1] for x in t))
 
 
-def print_layout(cfg, config, n_stages, act_shape):
-    blocks = [len(stage_layers(config.n_layer, n_stages, s)) for s in range(n_stages)]
-    print(f"pipeline: {n_stages} stages with {blocks} blocks, schedule {cfg.schedule}, "
+def print_layout(cfg, config, n_stages, v, act_shape):
+    blocks = [len(stage_layers(config.n_layer, n_stages * v, c)) for c in range(n_stages * v)]
+    print(f"pipeline: {n_stages} stages{f' x {v} chunks' if v > 1 else ''} with {blocks} blocks, "
+          f"schedule {cfg.schedule}, "
           f"{cfg.n_micro} micro-batches of {act_shape[0]} x {config.block_size} tokens, "
-          f"{M.param_count(config) / 1e6:.2f}M parameters, bubble {bubble(cfg.schedule, n_stages, cfg.n_micro):.1%}")
+          f"{M.param_count(config) / 1e6:.2f}M parameters, bubble {bubble(cfg.schedule, n_stages, cfg.n_micro, v):.1%}")
 
 
-def print_timeline(name, p, m, measured):
+def print_timeline(name, p, m, v, measured):
     """The plan of every rank, its timeline on paper, and the measured one."""
-    width = paper_width(name, p, m)
+    width = paper_width(name, p, m, v)
     print(f"schedule {name}, {p} stages, {m} micro-batches (> send, < receive; a: activation, g: gradient):")
     for r in range(p):
-        print(f"  stage {r}: " + " ".join(show(a) for a in plan(name, p, m, r)))
+        print(f"  stage {r}: " + " ".join(show(a, v) for a in plan(name, p, m, r, v)))
     print("on paper (a forward takes 1 unit, a backward 2, or B and W 1 each):")
-    print(draw(simulate(name, p, m), width))
+    print(draw(simulate(name, p, m, v), width))
     span = max(t[-1][2] for t in measured) - min(t[0][1] for t in measured)
     print(f"measured, last step ({1000 * span:.1f} ms from the first compute to the last):")
     print(draw(measured, width))
@@ -561,7 +619,7 @@ def idle_fraction(times, device, group=None):
     return 1 - sum(b - a for a, b in times) / edges.sum().item()
 
 
-def gather_timelines(times, name, n_micro, device, group=None):
+def gather_timelines(times, name, n_micro, v, device, group=None):
     """Every rank's measured [(Compute, start, end)] on the pipeline's first rank (None
     elsewhere), for --timeline. Bookkeeping, not training traffic."""
     ranks, me = C.group_ranks(group), C.get_rank(group)
@@ -571,7 +629,7 @@ def gather_timelines(times, name, n_micro, device, group=None):
         C.gather(rows, mine, ranks[0], group=group)
     if me != 0:
         return None
-    return [[(a, t0, t1) for a, (t0, t1) in zip(schedule(name, len(ranks), n_micro, r), row.view(-1, 2).tolist())]
+    return [[(a, t0, t1) for a, (t0, t1) in zip(schedule(name, len(ranks), n_micro, r, v), row.view(-1, 2).tolist())]
             for r, row in enumerate(rows.view(len(ranks), -1))]
 
 
