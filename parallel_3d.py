@@ -316,6 +316,8 @@ def check_layout(cfg, config, world):
         M.die(f"--sequence_parallel needs --block_size ({config.block_size}) divisible by --tp={tp}")
     if pp > config.n_layer:
         M.die(f"--pp={pp} stages but the model has {config.n_layer} blocks: each stage needs at least one")
+    if cfg.schedule == "zb" and tp > 1:  # W walks backward again: tp's backward all-reduces would run twice
+        M.die("--schedule=zb needs --tp=1 here: its W re-runs the backward, tensor parallel's all-reduces with it")
     v = PP.virtual_stages(cfg)
     if cfg.schedule == "interleaved" and (v < 1 or cfg.n_micro % pp or pp * v > config.n_layer):
         M.die(f"--schedule=interleaved needs --n_micro ({cfg.n_micro}) divisible by --pp={pp} and --pp x "

@@ -34,7 +34,7 @@ PARITY = {4: [((2, 2, 1), "1f1b", 1, False), ((2, 1, 2), "gpipe", 3, False), ((2
               ((1, 2, 2), "gpipe", 2, False), ((1, 2, 2), "1f1b", 2, True)],
           8: [((2, 2, 2), "gpipe", 2, False), ((2, 2, 2), "1f1b", 2, True)]}
 # the newer schedules, 6 steps each (their 20-step parity is pipeline_parallel's test's)
-SHORT = [((2, 1, 2), "interleaved", 2, False), ((1, 2, 2), "zb", 2, False)]
+SHORT = [((1, 2, 2), "interleaved", 2, False), ((2, 1, 2), "zb", 2, False)]
 RESUMED = ((2, 1, 2), "1f1b", 3, False)  # the dp replicas and both tied copies load (tp slices: --save_path)
 NO_OVERLAP = ((2, 1, 2), "gpipe", 3, False)  # the dp all-reduce after the pipeline drains, not during it
 # a model every factorization of 8 can split: 8 heads, 8 blocks; 2 steps each
