@@ -68,6 +68,7 @@ def cases(schedule):
 # ----------------------------------------------------------------------------- on paper
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("schedule", PP.SCHEDULES)
 def test_schedules_on_paper(schedule):
     kinds = "FBW" if schedule == "zb" else "FB"
@@ -434,6 +435,7 @@ def test_one_process_reproduces_reference(train_args, reference, tmp_path):
     assert all(r["comm_bytes"] == [0] and r["peak_micro"] == [1] for r in records)
 
 
+@pytest.mark.quick
 def test_torchrun_bad_batch_fails_cleanly(train_args):
     r = torchrun("pipeline_parallel.py", 2, train_args + ["--n_micro=5"], timeout=120)
     assert r.returncode != 0
