@@ -55,7 +55,8 @@ replica holds the same gradient. The logged loss is the mean over the last stage
 ranks.
 
 Flags: --dp, --tp, --pp (--dp=0: the world size over tp·pp); --schedule, --n_micro,
---virtual_stages as pipeline_parallel.py's; --sequence_parallel as tensor_parallel.py's;
+--virtual_stages as pipeline_parallel.py's (zb with --tp=1: its W walks backward again, which
+would repeat tensor parallel's all-reduces); --sequence_parallel as tensor_parallel.py's;
 --bucket_mb and --overlap (the dp all-reduce during the last backward, or after it) as ddp.py's.
 """
 from collections import namedtuple
