@@ -808,3 +808,23 @@ def sendrecv(send_tensor, dst, recv_tensor, src, group=None, async_op=False):
             _copy_back(recv_tensor, flat)
     device = (send_tensor if send_tensor is not None else recv_tensor).device
     return _launch("sendrecv", fn, async_op, device)
+
+
+def batch_sendrecv(sends, recvs, group=None, async_op=False):
+    """sendrecv for several messages: every (tensor, dst) of sends and (tensor, src) of recvs
+    posted at once (one batch_isend_irecv), as the interleaved pipeline's steady state posts
+    its two sends and two receives. Messages between two ranks match in list order."""
+    me, n, ranks = _members(group)
+    for _, dst in sends:
+        _check(_index_of(dst, ranks, "dst") != me, "batch_sendrecv: never send to yourself")
+    for _, src in recvs:
+        _check(_index_of(src, ranks, "src") != me, "batch_sendrecv: never receive from yourself")
+    if not sends and not recvs:
+        return None
+
+    def fn():
+        flats = [_flat(t) for t, _ in recvs]
+        _run([([(_flat(t), dst) for t, dst in sends], [(f, src) for f, (_, src) in zip(flats, recvs)], None)], group)
+        for (t, _), f in zip(recvs, flats):
+            _copy_back(t, f)
+    return _launch("sendrecv", fn, async_op, (sends or recvs)[0][0].device)

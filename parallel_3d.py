@@ -46,7 +46,7 @@ tp rank sends the whole activation across a boundary: tp copies of the same byte
 each sends only its own positions.
 
 The step: each dp rank takes its contiguous rows of the global batch, the pipeline
-cuts them into m micro-batches and runs GPipe or 1F1B (--schedule); every stage runs
+cuts them into m micro-batches and runs any of pipeline_parallel's schedules; every stage runs
 tensor parallel's forward pieces on its tp group; then the dp all-reduce completes,
 sequence parallel's replicas are summed over tp, the tied copies over the two pipeline
 ends, and the gradients are clipped by the global norm: squared norms summed over tp
@@ -54,9 +54,10 @@ ends, and the gradients are clipped by the global norm: squared norms summed ove
 replica holds the same gradient. The logged loss is the mean over the last stage's
 ranks.
 
-Flags: --dp, --tp, --pp (--dp=0: the world size over tp·pp); --schedule, --n_micro as
-pipeline_parallel.py's; --sequence_parallel as tensor_parallel.py's; --bucket_mb and
---overlap (the dp all-reduce during the last backward, or after it) as ddp.py's.
+Flags: --dp, --tp, --pp (--dp=0: the world size over tp·pp); --schedule, --n_micro,
+--virtual_stages as pipeline_parallel.py's (zb with --tp=1: its W walks backward again, which
+would repeat tensor parallel's all-reduces); --sequence_parallel as tensor_parallel.py's;
+--bucket_mb and --overlap (the dp all-reduce during the last backward, or after it) as ddp.py's.
 """
 from collections import namedtuple
 from functools import partial
@@ -70,8 +71,8 @@ import model as M
 import pipeline_parallel as PP
 import tensor_parallel as TP
 
-DEFAULTS = dict(M.TRAIN_DEFAULTS, dp=0, tp=1, pp=1, schedule="1f1b", n_micro=4, sequence_parallel=False,
-                bucket_mb=25.0, overlap=True)
+DEFAULTS = dict(M.TRAIN_DEFAULTS, dp=0, tp=1, pp=1, schedule="1f1b", n_micro=4, virtual_stages=2,
+                sequence_parallel=False, bucket_mb=25.0, overlap=True)
 AXES = ("dp", "tp", "pp")
 
 # -----------------------------------------------------------------------------
@@ -157,6 +158,7 @@ def axis_messages(config, cfg, dp, tp, pp):
     BOUNDARY_DTYPE) and in the embedding's region; gradients and norms in float32."""
     d = 2 if cfg.dtype == "bfloat16" else 4
     m = cfg.n_micro
+    v = PP.virtual_stages(cfg)  # interleaved: p·v-1 chunk boundaries
     b, s, h, V = cfg.batch_size // (dp * m), config.block_size, config.n_embd, config.vocab_size
     sp, clip = cfg.sequence_parallel, bool(cfg.grad_clip)
     region = "rs_ag" if sp else "all_reduce"  # f and g: the same bytes either way
@@ -172,7 +174,7 @@ def axis_messages(config, cfg, dp, tp, pp):
                 Message("tp", k, "replicas", "all_reduce", tp, 4 * replicated, sp),  # sequence parallel's
                 Message("dp", k, "gradients", "all_reduce", dp, 4 * (sharded + replicated), 1)]
     act = b * (s // tp if sp else s) * h * PP.BOUNDARY_DTYPE.itemsize
-    out += [Message("pp", None, "activations", "p2p", pp, act, 2 * (pp - 1) * m),  # and their gradients
+    out += [Message("pp", None, "activations", "p2p", pp, act, 2 * (pp * v - 1) * m),  # and their gradients
             Message("pp", None, "tie", "p2p", pp, V // tp * h * 4, 2 * (pp > 1)),  # each end its half
             Message("pp", None, "norm", "all_reduce", pp, 4, clip)]
     return [msg for msg in out if msg.count and msg.n > 1]
@@ -212,13 +214,16 @@ class Stage(nn.Module):
     build), under model.GPT's parameter names. The last stage's head is its own copy of
     this tp rank's slice of the tied matrix (lm_head.weight); one stage: the same one."""
 
-    def __init__(self, config, stage, n_stages, seed, group, sp):
+    def __init__(self, config, stage, n_stages, seed, group, sp, n_virtual=1):
         super().__init__()
         self.config, self.group, self.sp = config, group, sp
         self.first, self.last = stage == 0, stage == n_stages - 1
-        self.layers = PP.stage_layers(config.n_layer, n_stages, stage)
+        self.n_chunks = n_stages * n_virtual  # pipeline_parallel.Stage's chunks: r, r+p, ...
+        self.chunks = {c: PP.stage_layers(config.n_layer, self.n_chunks, c)
+                       for c in range(stage, self.n_chunks, n_stages)}
         self.transformer = nn.ModuleDict(dict(h=nn.ModuleDict(
-            {str(i): TP.parallel_block(M.build_unit(config, i, seed), group, sp) for i in self.layers})))
+            {str(i): TP.parallel_block(M.build_unit(config, i, seed), group, sp) for c in self.chunks
+             for i in self.chunks[c]})))
         if self.first:
             emb = M.build_unit(config, "embed", seed)
             self.transformer["wte"] = TP.VocabParallelEmbedding(emb.wte, group, sp)
@@ -235,28 +240,36 @@ class Stage(nn.Module):
         """This stage's copy of the tied matrix (its tp slice), None in the middle."""
         return self.head().weight if self.first or self.last else None
 
-    def forward(self, x, targets=None):
+    def forward(self, x, targets=None, chunk=None):
         """Token ids (b, s) on the first stage, else the previous stage's (s, b, h) (with
         sequence parallelism (s/tp, b, h)); -> the same for the next stage, or the loss."""
-        t, g, sp = self.transformer, self.group, self.sp
-        if self.first:
+        t, g, sp, chunk = self.transformer, self.group, self.sp, next(iter(self.chunks)) if chunk is None else chunk
+        if chunk == 0:
             x = TP.embed_forward(t["wte"], t["wpe"], x, g, sp, self.config.dropout, self.training)
-        for i in self.layers:
+        for i in self.chunks[chunk]:
             x = TP.block_forward(t["h"][str(i)], x, g, sp)
-        return TP.head_forward(t["ln_f"], self.head(), x, targets, g, sp) if self.last else x
+        return TP.head_forward(t["ln_f"], self.head(), x, targets, g, sp) if chunk == self.n_chunks - 1 else x
 
 
 class Executor(PP.Executor):
-    """pipeline_parallel's executor, which also arms the dp buckets' gradient hooks for the
-    last micro-batch's backward only: the gradients are complete then, and the all-reduce of
-    each bucket starts as soon as backward has finished it (ddp.py's overlap), while the
-    earlier micro-batches only accumulate."""
-    buckets = None
+    """pipeline_parallel's executor, which also arms the dp buckets' gradient hooks (None:
+    none) for the last micro-batch's weight gradients only (its backward, or its W under
+    --schedule=zb): the gradients are complete then, and the all-reduce of each bucket starts
+    as soon as they have filled it (ddp.py's overlap); earlier micro-batches only accumulate."""
 
-    def backward(self, m):
+    def __init__(self, *args, buckets=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.buckets = buckets
+
+    def backward(self, a, *args):
         if self.buckets is not None:
-            self.buckets.sync = m == self.n_micro - 1
-        super().backward(m)
+            self.buckets.sync = a.micro == self.n_micro - 1
+        super().backward(a, *args)
+
+    def weight_grad(self, a, *args):
+        if self.buckets is not None:
+            self.buckets.sync = a.micro == self.n_micro - 1
+        super().weight_grad(a, *args)
 
 
 def checkpoint_entries(stage, tp_group, dp_rank):
@@ -304,6 +317,12 @@ def check_layout(cfg, config, world):
         M.die(f"--sequence_parallel needs --block_size ({config.block_size}) divisible by --tp={tp}")
     if pp > config.n_layer:
         M.die(f"--pp={pp} stages but the model has {config.n_layer} blocks: each stage needs at least one")
+    if cfg.schedule == "zb" and tp > 1:  # W walks backward again: tp's backward all-reduces would run twice
+        M.die("--schedule=zb needs --tp=1 here: its W re-runs the backward, tensor parallel's all-reduces with it")
+    v = PP.virtual_stages(cfg)
+    if cfg.schedule == "interleaved" and (v < 1 or cfg.n_micro % pp or pp * v > config.n_layer):
+        M.die(f"--schedule=interleaved needs --n_micro ({cfg.n_micro}) divisible by --pp={pp} and --pp x "
+              f"--virtual_stages={v} chunks of at least one of the {config.n_layer} blocks each")
     if cfg.batch_size % (dp * cfg.n_micro):
         M.die(f"--batch_size={cfg.batch_size} does not divide into {dp} data parallel ranks x "
               f"{cfg.n_micro} micro-batches")
@@ -315,12 +334,14 @@ def main(argv=None):
     if min(cfg.tp, cfg.pp) < 1 or cfg.dp < 0:
         M.die(f"--tp and --pp must be at least 1 and --dp at least 0 (0: the rest), not {cfg.dp}, {cfg.tp}, {cfg.pp}")
     if cfg.schedule not in PP.SCHEDULES:
-        M.die(f"--schedule takes {' or '.join(PP.SCHEDULES)}, not {cfg.schedule!r}")
+        M.die(f"--schedule takes {', '.join(PP.SCHEDULES)}, not {cfg.schedule!r}")
     if cfg.n_micro < 1 or cfg.bucket_mb <= 0:
         M.die("--n_micro must be at least 1 and --bucket_mb positive")
+
     run = M.start(cfg, "parallel_3d")
     rank, world, device, config = run.rank, run.world, run.device, run.config
     dp, tp, pp = check_layout(cfg, config, world)
+    v = PP.virtual_stages(cfg)  # the chunks a stage holds
     sp, n_micro = cfg.sequence_parallel, cfg.n_micro
     pp_rank, dp_rank, tp_rank = coords(rank, dp, tp, pp)
     groups = make_groups(rank, dp, tp, pp)
@@ -328,7 +349,7 @@ def main(argv=None):
     last_stage = [r for r in range(world) if coords(r, dp, tp, pp)[0] == pp - 1]
     print_mesh(groups, dp, tp, pp)
 
-    stage = Stage(config, pp_rank, pp, cfg.seed, tp_group, sp).to(device)
+    stage = Stage(config, pp_rank, pp, cfg.seed, tp_group, sp, v).to(device)
     params = list(stage.parameters())
     sharded, replicated = TP.split_params(stage)
     # the dp all-reduce: ddp.py's buckets on this rank's parameters, over its dp group
@@ -338,15 +359,15 @@ def main(argv=None):
     M.restore(run, checkpoint_entries(stage, tp_group, dp_rank), optimizer)  # both tied copies are loaded
     act_shape = (config.block_size // tp if sp else config.block_size, cfg.batch_size // (dp * n_micro), config.n_embd)
     executor = Executor(stage, act_shape, n_micro, run.autocast, torch.compile(stage) if cfg.compile else None,
-                        pp_group)
-    executor.buckets = buckets if cfg.overlap else None
-    train_plan, eval_plan = PP.plan(cfg.schedule, pp, n_micro, pp_rank), PP.plan("forward", pp, n_micro, pp_rank)
+                        pp_group, buckets=buckets if cfg.overlap else None)
+    train_plan = PP.plan(cfg.schedule, pp, n_micro, pp_rank, v)
+    eval_plan = PP.plan(cfg.schedule, pp, n_micro, pp_rank, v, train=False)
     formula = {a: axis_bytes(config, cfg, dp, tp, pp, stage=pp_rank)[a] / n for a, n in zip(AXES, (dp, tp, pp))}
     if rank == 0:
         print(f"parallel_3d: dp={dp} x tp={tp} x pp={pp} = {world} ranks{', sequence parallel' if sp else ''}, "
               f"{M.param_count(config) / 1e6:.2f}M parameters, schedule {cfg.schedule}, {n_micro} micro-batches of "
-              f"{act_shape[1]} x {config.block_size} tokens per pipeline, bubble (p-1)/(m+p-1) = "
-              f"{(pp - 1) / (n_micro + pp - 1):.1%}")
+              f"{act_shape[1]} x {config.block_size} tokens per pipeline, bubble "
+              f"{PP.bubble(cfg.schedule, pp, n_micro, v):.1%}")
 
     def rows(step, split):  # this dp rank's rows of the global batch, cut into the micro-batches
         return partial(M.batch, run, step, split, n_micro=n_micro, dp_rank=dp_rank, dp_size=dp)

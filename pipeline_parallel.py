@@ -1,56 +1,35 @@
 """
-Pipeline parallel training: the model is cut by depth. Each of the p ranks is a
-stage that owns consecutive blocks (the embedding also lives on the first stage,
-the final norm and the head on the last), and the global batch is cut into
---n_micro micro-batches that flow through the stages like cars down an assembly
-line: while stage 1 works on micro-batch 0, stage 0 already works on micro-batch 1.
-GPipe (Huang et al. 2019) and 1F1B (PipeDream, Narayanan et al. 2019; its flushed,
-synchronous form PipeDream-Flush, Narayanan et al. 2021, is the one here).
+Pipeline parallel training: the model is cut by depth into chunks of consecutive blocks,
+each rank holds one chunk (or v), and the global batch is cut into --n_micro = m
+micro-batches that flow through the chunks like cars down an assembly line.
 
     python pipeline_parallel.py                                  # one stage: the reference run
     torchrun --nproc_per_node=4 pipeline_parallel.py --n_micro=8 --schedule=1f1b --timeline=True
-    torchrun --nproc_per_node=2 pipeline_parallel.py --schedule=gpipe
+    torchrun --nproc_per_node=4 pipeline_parallel.py --n_micro=8 --schedule=interleaved --virtual_stages=2
+    torchrun --nproc_per_node=2 pipeline_parallel.py --schedule=zb
 
-What it sends, and when. Only neighbours talk, point to point: for each micro-batch
-of b = batch_size/m sequences of s tokens, the activation (b·s·h numbers) goes
-forward across every stage boundary (send_forward / recv_forward), and its gradient
-comes back (send_backward / recv_backward). A step moves 2·m·b·s·h·4 = 2·B·s·h·4
-bytes across each of the p-1 boundaries, whatever m is; float32 under
---dtype=bfloat16 too, since what crosses is the residual stream, which bf16
-autocast keeps in float32 (only the matmuls' outputs are bf16). Once per step,
-after the pipeline has drained: the first and the last stage each hold a copy of the
-tied embedding/head matrix (V·h) and swap their two gradients to sum them (V·h·4
-bytes each way); and one float, each stage's squared gradient norm, is summed over
-the stages for the clipping. Nothing else: no stage ever sees another's weights.
-traffic_per_rank() states it in code; the README's "The numbers behind the
-strategies" compares it with the other strategies.
+The schedules (p ranks; the bubble is the idle share of the step, at unit costs):
+  gpipe        all m forwards, then all m backwards (Huang et al. 2019): holds m micro-batches.
+  1f1b         p-1-r forwards, then one forward one backward (PipeDream-Flush, Narayanan et al.
+               2021): the same bubble (p-1)/(m+p-1), at most p micro-batches held.
+  interleaved  rank r holds the v chunks r, r+p, ... of p·v (--virtual_stages; Megatron-LM,
+               Narayanan et al. 2021): bubble (p-1)/(v·m+p-1), for v times the boundary
+               crossings; needs m % p == 0.
+  zb           ZB-H1 (Qi et al. 2023, "Zero Bubble Pipeline Parallelism"): each backward split in
+               B (the input's gradient, which the previous rank waits for) and W (the weights',
+               which nobody waits for), W deferred into the cool-down's bubble: with F = B = W
+               and m >= p, (p-1)/(3m+p-1), and 1F1B's memory.
 
-The price is the bubble. A stage cannot start micro-batch 0 before the stages in
-front of it have done theirs, and the last backward reaches stage 0 only after
-passing every stage: out of the step's (m+p-1) slots, each stage idles p-1, a
-fraction (p-1)/(m+p-1), for both schedules below. More micro-batches shrink it;
-what the schedule changes is memory:
+What it sends: only point to point, to the rank that holds the next (previous) chunk: each
+micro-batch's activation, b·s·h float32 numbers (b = batch_size/m), forward across every
+chunk boundary, and its gradient back; float32 under bf16 too, since the boundary cuts the
+residual stream, which autocast keeps in float32. After the pipeline drains: the first and
+the last rank swap their copies' gradients of the tied embedding/head (V·h each way), and
+one float (the squared gradient norm) is summed over the ranks. traffic_per_rank() counts it.
 
-  gpipe  all m forwards, then all m backwards: every stage holds the activations
-         of all m micro-batches at once.
-  1f1b   stage k runs p-1-k forwards (warm-up), then alternates one forward and
-         one backward (steady state), then finishes the backwards (cool-down):
-         a backward frees a micro-batch as soon as possible, so a stage never
-         holds more than p of them, however large m is.
-
-Each schedule is a plain list of actions per stage (schedule(), plan()), which the
-Executor runs one by one; simulate() runs all the lists on paper and
---timeline=True prints that, and the measured timeline of the last step, so the
-bubble can be seen. On paper, p=4 and m=6 (a forward 1 unit, a backward 2; print
-it with `draw(simulate("gpipe", 4, 6), 27)`):
-
-  gpipe  stage 0: FFFFFF.........BBBBBBBBBBBB     1f1b  stage 0: FFFF......BBFBBFBB.BB.BB.BB
-         stage 1: .FFFFFF......BBBBBBBBBBBB..           stage 1: .FFF....BBFBBFBBFBB.BB.BB..
-         stage 2: ..FFFFFF...BBBBBBBBBBBB....           stage 2: ..FF..BBFBBFBBFBBFBB.BB....
-         stage 3: ...FFFFFFBBBBBBBBBBBB......           stage 3: ...FBBFBBFBBFBBFBBFBB......
-
-Same length, same 3 idle slots of 9 on every stage; but GPipe's stage 0 holds 6
-micro-batches before its first backward, 1F1B's at most 4.
+Each schedule is a list of actions per rank (schedule(), plan()), run one by one by the
+Executor; simulate() runs them all on paper, and --timeline=True prints the plans, the
+paper timeline and the measured one.
 """
 import time
 from collections import namedtuple
@@ -63,207 +42,137 @@ import torch.nn as nn
 import collectives as C
 import model as M
 
-DEFAULTS = dict(M.TRAIN_DEFAULTS, schedule="1f1b", n_micro=4, timeline=False)
-SCHEDULES = ("gpipe", "1f1b")
-# What crosses a stage boundary, whatever --dtype is. The boundary cuts the residual
-# stream, and under bf16 autocast that stream is float32 in the one-process run too:
-# the embedding, LayerNorm and the residual additions run in float32, and a block adds
-# its bf16 matmul outputs to the float32 stream, which promotes back. Sending bf16
-# would round what the reference keeps, and the loss would drift from it.
-BOUNDARY_DTYPE = torch.float32
+DEFAULTS = dict(M.TRAIN_DEFAULTS, schedule="1f1b", n_micro=4, virtual_stages=2, timeline=False)
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
+BOUNDARY_DTYPE = torch.float32  # the residual stream: float32 under bf16 autocast, as in the one-process run
 
 # -----------------------------------------------------------------------------
 # the schedules, as data: pure functions, printable and testable without a model
+#
+# The model is cut into p·v chunks of consecutive blocks; rank r holds chunks r, r+p, ...
+# (v = 1 but for interleaved). A compute action is Compute("F"|"B"|"W", chunk, micro): a
+# forward of micro-batch `micro` through `chunk`; its backward (the whole of it, or with W
+# split off only the input's gradient); W, the weights' gradient.
+
+Compute = namedtuple("Compute", "kind chunk micro")
+Message = namedtuple("Message", "kind chunk micro")  # "act": chunk's output; "grad": the gradient of its input
+Exchange = namedtuple("Exchange", "sends recvs")  # ((Message, to rank), ...), ((Message, from rank), ...)
 
 
-def schedule(name, n_stages, n_micro, stage):
-    """The compute actions of one stage, in order: ("F", m) and ("B", m) for each
-    micro-batch m. "forward" (no backward) is the evaluation's."""
-    if name in ("gpipe", "forward"):
-        return [("F", m) for m in range(n_micro)] + ([("B", m) for m in range(n_micro)] if name == "gpipe" else [])
-    if name != "1f1b":
+def schedule(name, p, m, r, v=1):
+    """The compute actions of rank r of p, in order, for m micro-batches."""
+    return [a for step in steps(name, p, m, r, v) for a in step]
+
+
+def steps(name, p, m, r, v=1):
+    """schedule() cut into the runs of computes between two exchanges: one compute each, but
+    interleaved's steady state, which exchanges once per forward-backward pair."""
+    F, B, W = (partial(Compute, kind) for kind in "FBW")
+    if name == "gpipe":
+        return [[F(r, k)] for k in range(m)] + [[B(r, k)] for k in range(m)]
+    if name == "interleaved":
+        return interleaved(p, m, r, v)
+    # 1F1B: the gradient of micro-batch 0 reaches rank r only after it has passed the p-1-r
+    # ranks behind it and come back: time for p-1-r forwards (the warm-up)
+    warmup = min(p - 1 - r, m)
+    order = [F(r, k) for k in range(warmup)]
+    if name == "1f1b":
+        for k in range(m - warmup):
+            order += [F(r, warmup + k), B(r, k)]
+        return [[a] for a in order + [B(r, k) for k in range(m - warmup, m)]]
+    if name != "zb":
         raise ValueError(f"unknown schedule {name!r}")
-    # the gradient of micro-batch 0 reaches stage k only after that micro-batch has
-    # passed the p-1-k stages behind it and come back: time for p-1-k forwards, the
-    # warm-up, which also keeps those stages fed
-    warmup = min(n_stages - 1 - stage, n_micro)
-    order = [("F", m) for m in range(warmup)]
-    for m in range(n_micro - warmup):
-        order += [("F", warmup + m), ("B", m)]
-    return order + [("B", m) for m in range(n_micro - warmup, n_micro)]
+    # ZB-H1: 1F1B with each backward split into B and W. Rank r holds r micro-batches fewer
+    # than p in 1F1B, so it defers its first r W's and still holds at most p; they fill the
+    # r steps it would idle at the end, waiting for the last gradients to come back
+    for k in range(m - warmup):
+        order += [F(r, warmup + k), B(r, k)] + ([W(r, k - r)] if k >= r else [])
+    for k in range(m - warmup, m):
+        order += [B(r, k)] + ([W(r, k - r)] if k >= r else [])
+    return [[a] for a in order + [W(r, k) for k in range(max(m - r, 0), m)]]
 
 
-def plan(name, n_stages, n_micro, stage):
-    """schedule() with its messages: before each compute action, one exchange
-    ("X", send, recv) that sends what the previous action produced and receives
-    what this one needs. send/recv are ("act", m) or ("grad", m) or None; the peer
-    is implied: activations go to stage+1 and come from stage-1, gradients the
-    other way.
+def interleaved(p, m, r, v):
+    """Megatron-LM's interleaved 1F1B, as steps: forwards go through the chunks p micro-batches
+    at a time (chunk r for micro-batches 0..p-1, then chunk r+p for them, ...), backwards the
+    other way; the warm-up covers the time for micro-batch 0 to pass all p·v chunks and come
+    back. With m == p there is no steady state: all forwards first, as Megatron does."""
+    total = v * m  # forwards (and backwards) of this rank
 
-    Why this pairing cannot deadlock: in 1F1B's steady state stage k has just
-    finished forward m and must send its activation to k+1, while k+1 has just
-    finished a backward and must send a gradient to k. If both sent first and then
-    received, each could wait for the other to post its receive (a blocking send may
-    not return before its receive is posted; NCCL's does not). Here stage k posts
-    "send act m + receive grad" together and k+1 posts "send grad + receive act m"
-    together (C.sendrecv, one batch_isend_irecv), so both pairs can complete at
-    once. simulate() checks, for every schedule, that every exchange completes and
-    that messages match in posting order, which is how NCCL and gloo pair them."""
-    first, last = stage == 0, stage == n_stages - 1
-    actions, pending = [], None
-    for kind, m in schedule(name, n_stages, n_micro, stage):
-        need = ("act", m) if kind == "F" and not first else ("grad", m) if kind == "B" and not last else None
-        if pending or need:
-            actions.append(("X", pending, need))
-        actions.append((kind, m))
-        pending = ("act", m) if kind == "F" and not last else ("grad", m) if kind == "B" and not first else None
-    if pending:
-        actions.append(("X", pending, None))
-    return actions
+    def at(k, forward):  # the k-th forward (backward): (chunk, micro-batch)
+        j = k // p % v
+        return r + p * (j if forward else v - 1 - j), k // (p * v) * p + k % p
+    warmup = total if m == p else min(2 * (p - 1 - r) + (v - 1) * p, total)
+    out = [[Compute("F", *at(k, True))] for k in range(warmup)]
+    out += [[Compute("F", *at(warmup + k, True)), Compute("B", *at(k, False))] for k in range(total - warmup)]
+    return out + [[Compute("B", *at(k, False))] for k in range(total - warmup, total)]
 
 
-def peers(stage, send, recv):
-    """(stage to send to, stage to receive from) for an exchange of plan()."""
-    dst = None if send is None else stage + 1 if send[0] == "act" else stage - 1
-    src = None if recv is None else stage - 1 if recv[0] == "act" else stage + 1
-    return dst, src
+def plan(name, p, m, r, v=1, train=True):
+    """steps() with their messages: before each step one Exchange that sends what the
+    previous step produced and receives what this one needs, from and to the ranks that hold
+    the neighbouring chunks (a neighbour on this rank needs no message). W needs no message:
+    the W's go before the exchange in front of a forward (the partner is still busy with its
+    own forward), and between the sends and the receive in front of a backward (ZB-H1's
+    cool-down, where they fill the wait for the gradient). train=False: the forwards only.
 
+    Why this pairing cannot deadlock: in 1F1B's steady state rank r has just finished a
+    forward and must send its activation to r+1, while r+1 has just finished a backward and
+    must send a gradient to r. If both sent first and then received, each could wait for
+    the other to post its receive (NCCL's blocking send does). Posting "send activation +
+    receive gradient" together on r, and "send gradient + receive activation" on r+1 (one
+    batch_isend_irecv each), lets both pairs complete at once. simulate() checks, for every
+    schedule, that every exchange completes and that messages between two ranks match in
+    posting order, which is how NCCL and gloo pair them."""
+    n = p * v
 
-def show(action):
-    """F3, B0, or an exchange such as [>a3 <g1]: send activation 3, receive gradient 1."""
-    if action[0] != "X":
-        return f"{action[0]}{action[1]}"
-    _, send, recv = action
-    marks = ([f">{send[0][0]}{send[1]}"] if send else []) + ([f"<{recv[0][0]}{recv[1]}"] if recv else [])
-    return "[" + " ".join(marks) + "]"
+    def needs(a):  # [(Message, from rank)] that compute a waits for
+        c = a.chunk - 1 if a.kind == "F" else a.chunk + 1 if a.kind == "B" else -1
+        return [(Message("act" if a.kind == "F" else "grad", c, a.micro), c % p)] if 0 <= c < n and c % p != r else []
 
-
-def simulate(name, n_stages, n_micro, cost=(("F", 1), ("B", 2))):
-    """Execute every stage's plan on paper, all together: a forward takes cost F,
-    a backward cost B, a message nothing, and an exchange completes only once the
-    other end of each of its messages has been posted (the strictest semantics, so
-    what completes here completes on NCCL and gloo). Messages between two stages
-    match in posting order. Returns each stage's timeline [((kind, m), start, end)];
-    raises if messages mismatch or the stages deadlock."""
-    cost = dict(cost)
-    plans = [plan(name, n_stages, n_micro, s) for s in range(n_stages)]
-    pos, clock, posted = [0] * n_stages, [0] * n_stages, [None] * n_stages
-    timelines = [[] for _ in range(n_stages)]
-    channels = {}  # (src, dst) -> ([sends posted: (label, time)], [receives posted])
-    moved = True
-    while moved:
-        moved = False
-        for s in range(n_stages):
-            while pos[s] < len(plans[s]):
-                action = plans[s][pos[s]]
-                if action[0] != "X":
-                    timelines[s].append((action, clock[s], clock[s] + cost[action[0]]))
-                    clock[s] += cost[action[0]]
-                elif posted[s] is None:  # post both messages of the exchange, then wait for them
-                    dst, src = peers(s, action[1], action[2])
-                    posted[s] = []
-                    for side, key, label in ((0, (s, dst), action[1]), (1, (src, s), action[2])):
-                        if label:
-                            mine = channels.setdefault(key, ([], []))[side]
-                            mine.append((label, clock[s]))
-                            posted[s].append((side, key, len(mine) - 1, label))
-                    moved = True  # a stage waiting on these may now go on
-                    continue
-                else:
-                    other_ends = [channels[key][1 - side] for side, key, _, _ in posted[s]]
-                    if any(len(o) <= i for o, (_, _, i, _) in zip(other_ends, posted[s])):
-                        break  # a message's other end is not posted yet: wait
-                    for o, (_, key, i, label) in zip(other_ends, posted[s]):
-                        if o[i][0] != label:
-                            raise RuntimeError(f"stage {s}: {label} on {key} met {o[i][0]}")
-                        clock[s] = max(clock[s], o[i][1])
-                    posted[s] = None
-                pos[s] += 1
-                moved = True
-    if pos != [len(p) for p in plans]:
-        raise RuntimeError(f"deadlock: stages stuck at {[show(p[i]) for p, i in zip(plans, pos) if i < len(p)]}")
-    return timelines
-
-
-def idle_fractions(timelines):
-    """Per stage: 1 - busy / span, the span being the whole pipeline's, first start to last end."""
-    t0 = min(t[0][1] for t in timelines)
-    span = max(t[-1][2] for t in timelines) - t0
-    return [1 - sum(e - s for _, s, e in t) / span for t in timelines]
-
-
-def draw(timelines, width):
-    """One text line per stage, `width` columns over the span: F or B where a
-    forward or backward runs, '.' where the stage waits."""
-    t0 = min(t[0][1] for t in timelines)
-    dt = (max(t[-1][2] for t in timelines) - t0) / width
-    lines = []
-    for s, (t, idle) in enumerate(zip(timelines, idle_fractions(timelines))):
-        row = ["."] * width
-        for (kind, _), start, end in t:
-            for c in range(round((start - t0) / dt), round((end - t0) / dt)):
-                row[min(c, width - 1)] = kind
-        lines.append(f"  stage {s}: {''.join(row)}  idle {idle:.0%}")
-    return "\n".join(lines)
-
-
-def print_timeline(name, n_stages, n_micro, measured):
-    """The plan of every stage, its timeline on paper, and the measured one."""
-    width = 3 * (n_micro + n_stages - 1)  # on paper one column per unit: m+p-1 slots of F + B = 3 units
-    print(f"schedule {name}, {n_stages} stages, {n_micro} micro-batches (> send, < receive; a: activation, "
-          f"g: gradient):")
-    for s in range(n_stages):
-        print(f"  stage {s}: " + " ".join(show(a) for a in plan(name, n_stages, n_micro, s)))
-    print("on paper (a forward takes 1 unit, a backward 2):")
-    print(draw(simulate(name, n_stages, n_micro), width))
-    span = max(t[-1][2] for t in measured) - min(t[0][1] for t in measured)
-    print(f"measured, last step ({1000 * span:.1f} ms from the first forward to the last backward):")
-    print(draw(measured, width))
-
-
-def traffic_per_rank(config, cfg, world):
-    """Bytes a stage sends per step, on average over the p stages. What is sent, and
-    in which dtype under each --dtype:
-
-      message                        numbers per step                float32  bfloat16
-      activations, their gradients   2·B·s·h across each of the p-1  float32  float32 (1)
-                                     boundaries (m·b·s·h each way)
-      the tied matrix's gradient     V·h from each of the two ends   float32  float32 (2)
-      the squared gradient norm      1 per stage, all_reduced: a     float32  float32
-                                     tree sends 2(p-1) in all
-    (1) BOUNDARY_DTYPE: the residual stream, which bf16 autocast keeps in float32.
-    (2) autocast computes in bf16 but keeps the parameters and their gradients float32.
-    So a step sends the same bytes under both."""
-    if world == 1:
-        return 0
-    act = 2 * (world - 1) * cfg.batch_size * config.block_size * config.n_embd * BOUNDARY_DTYPE.itemsize
-    tie = 2 * config.vocab_size * config.n_embd * 4
-    norm = 2 * (world - 1) * 4 if cfg.grad_clip else 0
-    return (act + tie + norm) / world
+    def makes(a):  # [(Message, to rank)] that compute a produces for another rank
+        c = a.chunk + 1 if a.kind == "F" else a.chunk - 1 if a.kind == "B" else -1
+        return [(Message("act" if a.kind == "F" else "grad", a.chunk, a.micro), c % p)] if 0 <= c < n and c % p != r \
+            else []
+    actions, pending, weights = [], [], []
+    for step in steps(name, p, m, r, v):
+        step = [a for a in step if train or a.kind == "F"]
+        if not step or step[0].kind == "W":
+            weights += step
+            continue
+        recvs = [x for a in step for x in needs(a)]
+        if weights and step[0].kind == "B" and pending:  # the cool-down: B's gradient leaves at once
+            actions.append(Exchange(tuple(pending), ()))
+            pending = []
+        actions += weights + ([Exchange(tuple(pending), tuple(recvs))] if pending or recvs else []) + step
+        weights, pending = [], [x for a in step for x in makes(a)]
+    return actions + ([Exchange(tuple(pending), ())] if pending else []) + weights
 
 # -----------------------------------------------------------------------------
 # the model, cut by depth
 
 
-def stage_layers(n_layer, n_stages, stage):
-    """The blocks of `stage`: consecutive, and as even as possible (when p does not
-    divide n_layer, the first n_layer % p stages take one block more)."""
-    q, r = divmod(n_layer, n_stages)
-    start = stage * q + min(stage, r)
-    return range(start, start + q + (stage < r))
+def stage_layers(n_layer, n_chunks, chunk):
+    """The blocks of `chunk`: consecutive, and as even as possible (when the chunks do not
+    divide n_layer, the first n_layer % n_chunks take one block more)."""
+    q, r = divmod(n_layer, n_chunks)
+    start = chunk * q + min(chunk, r)
+    return range(start, start + q + (chunk < r))
 
 
 class Stage(nn.Module):
-    """One rank's part of the GPT, under the GPT's own parameter names, so that its
-    state_dict is a piece of GPT(config).state_dict() and the pieces of all stages
-    make the whole. Every unit is built from the same seed as model.py builds it."""
+    """One rank's chunks of the GPT (r, r+p, ... of p·v), under the GPT's own
+    parameter names, so that its state_dict is a piece of GPT(config).state_dict() and the
+    pieces of all ranks make the whole, whatever p and v. Every unit is built from the same
+    seed as model.py builds it. The first rank holds the embedding, the last the head."""
 
-    def __init__(self, config, stage, n_stages, seed):
+    def __init__(self, config, stage, n_stages, seed, n_virtual=1):
         super().__init__()
         self.config, self.first, self.last = config, stage == 0, stage == n_stages - 1
-        self.layers = stage_layers(config.n_layer, n_stages, stage)
+        self.n_chunks = n_stages * n_virtual
+        self.chunks = {c: stage_layers(config.n_layer, self.n_chunks, c) for c in range(stage, self.n_chunks, n_stages)}
         self.transformer = nn.ModuleDict(dict(h=nn.ModuleDict({str(i): M.build_unit(config, i, seed)
-                                                               for i in self.layers})))
+                                                               for c in self.chunks for i in self.chunks[c]})))
         if self.first:
             emb = M.build_unit(config, "embed", seed)
             self.transformer["wte"], self.transformer["wpe"] = emb.wte, emb.wpe
@@ -281,15 +190,15 @@ class Stage(nn.Module):
         """This stage's copy of the tied embedding/head matrix, None in the middle."""
         return self.transformer["wte"].weight if self.first else self.lm_head.weight if self.last else None
 
-    def forward(self, x, targets=None):
-        """Token ids on the first stage, else the previous stage's activation. Returns
-        the activation for the next stage, or on the last stage the mean loss."""
-        t = self.transformer
-        if self.first:
+    def forward(self, x, targets=None, chunk=None):
+        """Token ids into chunk 0, else the previous chunk's activation. Returns the
+        activation for the next chunk, or out of the last chunk the mean loss."""
+        t, chunk = self.transformer, next(iter(self.chunks)) if chunk is None else chunk
+        if chunk == 0:
             x = M.embed(t.wte, t.wpe, x, self.config.dropout, self.training)
-        for i in self.layers:
+        for i in self.chunks[chunk]:
             x = t.h[str(i)](x)
-        return M.head(t.ln_f, self.lm_head.weight, x, targets)[1] if self.last else x
+        return M.head(t.ln_f, self.lm_head.weight, x, targets)[1] if chunk == self.n_chunks - 1 else x
 
 
 def checkpoint_entries(stage, write=True):
@@ -307,134 +216,101 @@ def checkpoint_entries(stage, write=True):
     return entries
 
 # -----------------------------------------------------------------------------
-# the messages
-#
-# Named as picotron and Megatron-LM name them: "forward" is an activation travelling
-# to the next stage, "backward" its gradient travelling back to the previous one.
-# Every exchange of a plan is one of the eight below, and each is one C.sendrecv,
-# which posts its send and its receive together (plan() says why that cannot
-# deadlock). `nb` holds the neighbours' GLOBAL ranks; `group` is the pipeline's.
-
-Neighbours = namedtuple("Neighbours", "prev next")
-
-
-def neighbours(group=None):
-    """The global ranks of the stages before and after this one (None at the ends)."""
-    ranks, me = C.group_ranks(group), C.get_rank(group)
-    return Neighbours(ranks[me - 1] if me > 0 else None, ranks[me + 1] if me + 1 < len(ranks) else None)
-
-
-def send_forward(act, nb, group):
-    C.sendrecv(act, nb.next, None, None, group=group)
-
-
-def recv_forward(buf, nb, group):
-    C.sendrecv(None, None, buf, nb.prev, group=group)
-
-
-def send_backward(grad, nb, group):
-    C.sendrecv(grad, nb.prev, None, None, group=group)
-
-
-def recv_backward(buf, nb, group):
-    C.sendrecv(None, None, buf, nb.next, group=group)
-
-
-def send_forward_recv_backward(act, buf, nb, group):  # 1F1B's steady state, after a forward
-    C.sendrecv(act, nb.next, buf, nb.next, group=group)
-
-
-def send_backward_recv_forward(grad, buf, nb, group):  # ... and after a backward
-    C.sendrecv(grad, nb.prev, buf, nb.prev, group=group)
-
-
-def send_forward_recv_forward(act, buf, nb, group):  # between two forwards
-    C.sendrecv(act, nb.next, buf, nb.prev, group=group)
-
-
-def send_backward_recv_backward(grad, buf, nb, group):  # between two backwards
-    C.sendrecv(grad, nb.prev, buf, nb.next, group=group)
-
-
-# (what an exchange of plan() sends, what it receives) -> the message that does it
-MESSAGES = {("act", None): send_forward, (None, "act"): recv_forward,
-            ("grad", None): send_backward, (None, "grad"): recv_backward,
-            ("act", "grad"): send_forward_recv_backward, ("grad", "act"): send_backward_recv_forward,
-            ("act", "act"): send_forward_recv_forward, ("grad", "grad"): send_backward_recv_backward}
-
-# -----------------------------------------------------------------------------
-# the stage executor
+# the executor: one rank's plan, action by action
 
 
 class Executor:
-    """Runs one stage's plan, action by action: its forwards and backwards, and its
-    exchanges with the neighbours. The pipeline is `group` (None: the whole world):
-    this rank is stage C.get_rank(group) of C.get_world_size(group), so the same code
-    runs one pipeline of a larger mesh. `model` is what computes (the stage, or the
-    stage compiled); act_shape is one micro-batch's activation, (b, s, h), of n_micro.
+    """Runs one rank's plan. The pipeline is `group` (None: the whole world): this rank is
+    stage C.get_rank(group) of C.get_world_size(group), so the same code runs one pipeline
+    of a larger mesh. `model` is what computes (the stage, or the stage compiled); act_shape
+    is one micro-batch's activation, (b, s, h), of n_micro. Messages wait in one mailbox,
+    keyed by Message: what a compute produces goes in, what an exchange sends comes out.
 
-    After run(): peak_held, the most micro-batches held at once (forward done,
-    backward not yet), and peak_bytes, the most bytes autograd held for them."""
+    After run(): peak_held, the most (chunk, micro-batch) activations held at once (forward
+    done, weights' gradient not yet), and peak_bytes, the most bytes autograd held for them."""
 
     def __init__(self, stage, act_shape, n_micro, autocast=nullcontext(), model=None, group=None):
         self.stage, self.model, self.autocast, self.group = stage, model or stage, autocast, group
-        self.act_shape, self.n_micro, self.nb = act_shape, n_micro, neighbours(group)
+        self.act_shape, self.n_micro, self.ranks = act_shape, n_micro, C.group_ranks(group)
         self.params = list(stage.parameters())
         self.device = self.params[0].device
         self.count_saved = model is None  # compiled graphs don't take saved-tensor hooks
 
     def run(self, actions, batch, train=True, stamps=None):
         """Execute a plan. batch(m) -> (inputs, targets) of micro-batch m. stamps: a list
-        that gets (M.now(), M.now()) around each forward and backward (CUDA events on a
-        GPU: the CPU does not wait). -> the micro-batches' losses on the last stage, [] elsewhere."""
-        self.inbox, self.outbox, self.held, self.losses = {}, {}, {}, []  # held: m -> (input, output, bytes)
+        that gets (M.now(), M.now()) around each compute (CUDA events on a GPU: the CPU
+        does not wait). -> the micro-batches' losses on the last stage, [] elsewhere."""
+        self.mail, self.held, self.losses = {}, {}, []  # held: (chunk, m) -> (input, output, bytes, grad)
         self.peak_held = self.peak_bytes = 0
-        for action in actions:
-            if action[0] == "X":
-                self.exchange(action[1], action[2])
+        self.split = any(isinstance(a, Compute) and a.kind == "W" for a in actions)  # B leaves the weights' to W
+        for a in actions:
+            if isinstance(a, Exchange):
+                self.exchange(a)
                 continue
             start = M.now(self.device) if stamps is not None else None
-            if action[0] == "F":
-                self.forward(action[1], batch, train)
-            else:
-                self.backward(action[1])
+            {"F": self.forward, "B": self.backward, "W": self.weight_grad}[a.kind](a, batch, train)
             if stamps is not None:
                 stamps.append((start, M.now(self.device)))
         return self.losses
 
-    def exchange(self, send, recv):
-        """One ("X", send, recv) of the plan: what the last action produced goes out,
-        what the next one needs comes in, as one message pair (e.g. [>a3 <g1] is
-        send_forward_recv_backward)."""
-        message = MESSAGES[send and send[0], recv and recv[0]]
-        out = [self.outbox.pop(send)] if send else []
-        buf = [torch.empty(self.act_shape, dtype=BOUNDARY_DTYPE, device=self.device)] if recv else []
-        message(*out, *buf, self.nb, self.group)
-        if recv:
-            self.inbox[recv] = buf[0]
+    def exchange(self, a):
+        """send_forward (an activation to the next chunk's rank), send_backward (a gradient
+        to the previous one), recv_forward, recv_backward: all of an exchange posted together
+        (plan() says why), as one C.sendrecv, or for interleaved's steady state (up to two
+        of each) one C.batch_sendrecv."""
+        sends = [(self.mail.pop(msg), self.ranks[dst]) for msg, dst in a.sends]
+        recvs = [(torch.empty(self.act_shape, dtype=BOUNDARY_DTYPE, device=self.device), self.ranks[src])
+                 for _, src in a.recvs]
+        if len(sends) > 1 or len(recvs) > 1:
+            C.batch_sendrecv(sends, recvs, group=self.group)
+        else:
+            C.sendrecv(*(sends[0] if sends else (None, None)), *(recvs[0] if recvs else (None, None)), group=self.group)
+        for (msg, _), (buf, _) in zip(a.recvs, recvs):
+            self.mail[msg] = buf
 
-    def forward(self, m, batch, train):
-        stage = self.stage
-        x, y = batch(m) if stage.first or stage.last else (None, None)  # the middle needs no tokens
-        inp = x if stage.first else self.inbox.pop(("act", m)).requires_grad_(train)
+    def forward(self, a, batch, train):
+        stage, c, k = self.stage, a.chunk, a.micro
+        last = c == stage.n_chunks - 1
+        x, y = batch(k) if c == 0 or last else (None, None)  # the middle needs no tokens
+        inp = x if c == 0 else self.mail.pop(Message("act", c - 1, k)).requires_grad_(train)
         counting, saved = M.saved_bytes(self.params) if train and self.count_saved else (nullcontext(), {})
         with self.autocast, counting:
-            out = self.model(inp, y)
-        if stage.last:
+            out = self.model(inp, y, chunk=c)
+        if last:
             self.losses.append(out.detach())
             out = out / self.n_micro  # each micro-batch's mean, scaled: their sum is the global batch's mean
         else:
-            self.outbox[("act", m)] = out.detach().to(BOUNDARY_DTYPE)  # a no-op: the stream is float32
+            self.mail[Message("act", c, k)] = out.detach().to(BOUNDARY_DTYPE)  # a no-op: the stream is float32
         if train:
-            self.held[m] = (inp, out, sum(saved.values()))
+            self.held[c, k] = (inp, out, sum(saved.values()))
             self.peak_held = max(self.peak_held, len(self.held))
             self.peak_bytes = max(self.peak_bytes, sum(h[2] for h in self.held.values()))
 
-    def backward(self, m):
-        inp, out, _ = self.held.pop(m)
-        out.backward(None if self.stage.last else self.inbox.pop(("grad", m)))
-        if not self.stage.first:
-            self.outbox[("grad", m)] = inp.grad
+    def backward(self, a, batch=None, train=True):
+        c, k = a.chunk, a.micro
+        inp, out, _ = self.held[c, k]
+        grad = None if c == self.stage.n_chunks - 1 else self.mail.pop(Message("grad", c + 1, k))
+        if not self.split:  # the whole backward: the input's gradient and the weights'
+            del self.held[c, k]
+            out.backward(grad)
+            if c > 0:
+                self.mail[Message("grad", c, k)] = inp.grad
+            return
+        # B: the input's gradient only, which the previous rank is waiting for. The graph is
+        # kept (retain_graph) for W, and so are the activations it saved: held until W
+        if c > 0:
+            self.mail[Message("grad", c, k)] = torch.autograd.grad(out, inp, grad, retain_graph=True)[0]
+        self.held[c, k] += (grad,)
+
+    def weight_grad(self, a, batch=None, train=True):
+        # W: the weights' gradients, from the same graph and the same incoming gradient,
+        # accumulated into .grad. Exact, but autograd walks the chain of activation
+        # gradients again to reach the weights (stopping a backward at the weights' edges
+        # takes graph surgery: torch.distributed.pipelining's stage_backward_weight), so
+        # here W costs about what B does: the order and the memory are ZB-H1's, the saving
+        # of B's work is not
+        inp, out, _, grad = self.held.pop((a.chunk, a.micro))
+        torch.autograd.backward(out, grad, inputs=[p for p in self.params if p.requires_grad])
 
 # -----------------------------------------------------------------------------
 # after the pipeline drains: the tie, the norm
@@ -483,77 +359,89 @@ def clip_global_norm(stage, max_norm, group=None):
         p.grad.mul_(coef)
     return norm
 
-# -----------------------------------------------------------------------------
-# measuring the bubble
 
+def traffic_per_rank(config, cfg, world):
+    """Bytes a rank sends per step, on average over the p ranks. What is sent, and in which
+    dtype under each --dtype:
 
-def action_times(stamps, device):
-    """The stamps of one step as (start, end) in seconds of the wall clock, which is
-    common to the ranks (and, NTP-synchronized, roughly to the machines). On a GPU a
-    stamp is a CUDA event, recorded without waiting; they are read here, once, at the
-    end of the step: wait for one last event, read the clock, date each event back."""
-    last = M.now(device)
-    M.elapsed(last, last)  # the step's one wait for the device (end_iter would wait here anyway)
-    wall = time.time()
-    return [(wall - M.elapsed(a, last), wall - M.elapsed(b, last)) for a, b in stamps]
-
-
-def idle_fraction(times, device, group=None):
-    """The share of the step this stage waited: 1 - busy / span, the span being the whole
-    pipeline's (the first forward anywhere to the last backward anywhere), agreed on by one
-    all_reduce(max) of two numbers over `group`. Bookkeeping, not training traffic."""
-    edges = torch.tensor([-times[0][0], times[-1][1]], dtype=torch.float64, device=device)
-    with C.untracked():
-        C.all_reduce(edges, op="max", group=group)
-    return 1 - sum(b - a for a, b in times) / edges.sum().item()
-
-
-def gather_timelines(times, name, n_micro, device, group=None):
-    """Every stage's measured [((kind, m), start, end)] on the pipeline's first rank (None
-    elsewhere), for --timeline. Bookkeeping, not training traffic."""
-    ranks, me = C.group_ranks(group), C.get_rank(group)
-    mine = torch.tensor(times, dtype=torch.float64, device=device).view(-1)
-    rows = torch.empty(len(ranks) * mine.numel(), dtype=torch.float64, device=device) if me == 0 else None
-    with C.untracked():
-        C.gather(rows, mine, ranks[0], group=group)
-    if me != 0:
-        return None
-    return [[(a, t0, t1) for a, (t0, t1) in zip(schedule(name, len(ranks), n_micro, s), row.view(-1, 2).tolist())]
-            for s, row in enumerate(rows.view(len(ranks), -1))]
+      message                        numbers per step                       float32  bfloat16
+      activations, their gradients   2·B·s·h across each of the p·v-1 chunk  float32  float32 (1)
+                                     boundaries (m·b·s·h each way): v = 1
+                                     but for interleaved, whose v chunks a
+                                     rank multiply the p-1 crossings by
+                                     (p·v-1)/(p-1), about v
+      the tied matrix's gradient     V·h from each of the two ends          float32  float32 (2)
+      the squared gradient norm      1 per stage, all_reduced: a tree       float32  float32
+                                     sends 2(p-1) in all
+    (1) BOUNDARY_DTYPE: the residual stream, which bf16 autocast keeps in float32.
+    (2) autocast computes in bf16 but keeps the parameters and their gradients float32.
+    So a step sends the same bytes under both."""
+    if world == 1:
+        return 0
+    act = 2 * (world * virtual_stages(cfg) - 1) * cfg.batch_size * config.block_size * config.n_embd * BOUNDARY_DTYPE.itemsize
+    tie = 2 * config.vocab_size * config.n_embd * 4
+    norm = 2 * (world - 1) * 4 if cfg.grad_clip else 0
+    return (act + tie + norm) / world
 
 # -----------------------------------------------------------------------------
 # the run
 
 
-def main(argv=None):
-    cfg = M.parse_args(DEFAULTS, argv, __doc__)
+def check_schedule(cfg):
+    """-> v, the chunks a rank holds; or one line and exit on every rank, before any message."""
     if cfg.schedule not in SCHEDULES:
-        M.die(f"--schedule takes {' or '.join(SCHEDULES)}, not {cfg.schedule!r}")
+        M.die(f"--schedule takes {', '.join(SCHEDULES)}, not {cfg.schedule!r}")
     if cfg.n_micro < 1:
         M.die("--n_micro must be at least 1")
     if cfg.batch_size % cfg.n_micro:
         M.die(f"--batch_size={cfg.batch_size} does not divide into --n_micro={cfg.n_micro} micro-batches")
+    if cfg.schedule == "interleaved" and cfg.virtual_stages < 1:
+        M.die(f"--virtual_stages must be at least 1, not {cfg.virtual_stages}")
+    return virtual_stages(cfg)
+
+
+def virtual_stages(cfg):
+    """v, the chunks a stage holds: --virtual_stages under interleaved, else 1."""
+    return cfg.virtual_stages if getattr(cfg, "schedule", None) == "interleaved" else 1
+
+
+def bubble(name, p, m, v=1):
+    """The idle share of the step at unit costs (F = 1, B = 2 unsplit; F = B = W = 1 split).
+    Interleaved: each of the v·m forwards of a rank is 1/v of a stage's, the fill still p-1
+    of them. ZB-H1 with m < p never reaches its steady state: the first W's have nothing to
+    fill, and p-m more units pass before the last gradient is back."""
+    if name == "interleaved":
+        return (p - 1) / (v * m + p - 1)
+    if name != "zb":
+        return (p - 1) / (m + p - 1)
+    idle = p - 1 + max(p - m, 0)
+    return idle / (3 * m + idle)
+
+
+def main(argv=None):
+    cfg = M.parse_args(DEFAULTS, argv, __doc__)
+    v = check_schedule(cfg)
     run = M.start(cfg, "pipeline")
-    rank, world, device, config = run.rank, run.world, run.device, run.config
-    if world > config.n_layer:
-        M.die(f"{world} stages but the model has {config.n_layer} blocks: each stage needs at least one")
+    rank, device, config = run.rank, run.device, run.config
     group = None  # the whole world is one pipeline; parallel_3d.py runs these pieces on a sub-group
     n_stages, me, last_rank = C.get_world_size(group), C.get_rank(group), C.group_ranks(group)[-1]
-    n_micro, bubble = cfg.n_micro, (n_stages - 1) / (cfg.n_micro + n_stages - 1)
-    run.layout = dict(stages=n_stages, schedule=cfg.schedule)
+    if n_stages * v > config.n_layer:
+        what = f"{n_stages} stages x {v} chunks" if v > 1 else f"{n_stages} stages"
+        M.die(f"{what} but the model has {config.n_layer} blocks: each {'chunk' if v > 1 else 'stage'} needs at least one")
+    if cfg.schedule == "interleaved" and cfg.n_micro % n_stages:  # Megatron's: the micro-batches go p at a time
+        M.die(f"--schedule=interleaved needs --n_micro ({cfg.n_micro}) divisible by the {n_stages} stages")
+    n_micro = cfg.n_micro
+    run.layout = dict(stages=n_stages, schedule=cfg.schedule) | (dict(virtual_stages=v) if v > 1 else {})
 
-    stage = Stage(config, me, n_stages, cfg.seed).to(device)
+    stage = Stage(config, me, n_stages, cfg.seed, v).to(device)
     params = list(stage.parameters())  # a tensor used twice (one stage: the tie) is listed once
     optimizer = M.make_optimizer(stage.named_parameters(), cfg, device)
     M.restore(run, checkpoint_entries(stage), optimizer)  # both copies of the tied matrix are loaded
     act_shape = (cfg.batch_size // n_micro, config.block_size, config.n_embd)  # crosses a boundary, each way
     executor = Executor(stage, act_shape, n_micro, run.autocast, torch.compile(stage) if cfg.compile else None, group)
-    train_plan, eval_plan = plan(cfg.schedule, n_stages, n_micro, me), plan("forward", n_stages, n_micro, me)
+    train_plan, eval_plan = (plan(cfg.schedule, n_stages, n_micro, me, v, train) for train in (True, False))
     if rank == 0:
-        blocks = [len(stage_layers(config.n_layer, n_stages, s)) for s in range(n_stages)]
-        print(f"pipeline: {n_stages} stages with {blocks} blocks, schedule {cfg.schedule}, {n_micro} micro-batches "
-              f"of {act_shape[0]} x {config.block_size} tokens, {M.param_count(config) / 1e6:.2f}M parameters, "
-              f"bubble (p-1)/(m+p-1) = {bubble:.1%}")
+        print_layout(cfg, config, n_stages, v, act_shape)
 
     @torch.no_grad()
     def evaluate():
@@ -572,7 +460,7 @@ def main(argv=None):
         M.begin_iter(run, it, evaluate)
         # ---------------------------------------------------------------- the training step
         optimizer.zero_grad(set_to_none=True)
-        stamps = []  # around each forward and backward: the measured bubble, and --timeline
+        stamps = []  # around each compute: the measured bubble, and --timeline
         losses = executor.run(train_plan, partial(M.batch, run, it, "train", n_micro=n_micro), stamps=stamps)
         sum_tied_grads(stage, group)
         norm = clip_global_norm(stage, cfg.grad_clip, group)
@@ -580,15 +468,169 @@ def main(argv=None):
         # ---------------------------------------------------------------- end of the training step
         times = action_times(stamps, device)
         if cfg.timeline and it == cfg.max_iters - 1:
-            measured = gather_timelines(times, cfg.schedule, n_micro, device, group)
+            measured = gather_timelines(times, cfg.schedule, n_micro, v, device, group)
         state = M.tensor_bytes(params) + M.tensor_bytes(p.grad for p in params) + M.optimizer_state_bytes(optimizer)
-        run.record["bubble_theory"] = bubble  # one number for the run, not one per rank
+        run.record["bubble_theory"] = bubble(cfg.schedule, n_stages, n_micro, v)  # one number for the run
         M.end_iter(run, loss=torch.stack(losses).mean() if losses else 0.0, grad_norm=norm, state_bytes=state,
                    loss_ranks=[last_rank], idle_frac=idle_fraction(times, device, group),
                    peak_micro=executor.peak_held, act_bytes=executor.peak_bytes)
     if measured is not None:
-        print_timeline(cfg.schedule, n_stages, n_micro, measured)
+        print_timeline(cfg.schedule, n_stages, n_micro, v, measured)
     return M.finish(run)
+
+# -----------------------------------------------------------------------------
+# instruments: the simulator, the measured bubble, the timeline
+
+
+def simulate(name, p, m, v=1, cost=None, train=True):
+    """Execute every rank's plan on paper, all together: a compute takes its cost (default
+    F = 1 and B = 2, or B = W = 1 when the schedule splits them), a message nothing, and an
+    exchange completes only once the other end of each of its messages has been posted (the
+    strictest semantics, so what completes here completes on NCCL and gloo). Messages
+    between two ranks match in posting order. Returns each rank's timeline
+    [(Compute, start, end)]; raises if messages mismatch or the ranks deadlock."""
+    plans = [plan(name, p, m, r, v, train) for r in range(p)]
+    split = any(isinstance(a, Compute) and a.kind == "W" for pl in plans for a in pl)
+    cost = cost or dict(F=1, B=1 if split else 2, W=1)
+    pos, clock, posted = [0] * p, [0] * p, [None] * p
+    timelines = [[] for _ in range(p)]
+    channels = {}  # (src, dst) -> ([sends posted: (message, time)], [receives posted])
+    moved = True
+    while moved:
+        moved = False
+        for r in range(p):
+            while pos[r] < len(plans[r]):
+                a = plans[r][pos[r]]
+                if isinstance(a, Compute):
+                    timelines[r].append((a, clock[r], clock[r] + cost[a.kind]))
+                    clock[r] += cost[a.kind]
+                elif posted[r] is None:  # post both messages of the exchange, then wait for them
+                    posted[r] = []
+                    for side, key, msg in ([(0, (r, dst), msg) for msg, dst in a.sends] +
+                                           [(1, (src, r), msg) for msg, src in a.recvs]):
+                        if msg:
+                            mine = channels.setdefault(key, ([], []))[side]
+                            mine.append((msg, clock[r]))
+                            posted[r].append((side, key, len(mine) - 1, msg))
+                    moved = True  # a rank waiting on these may now go on
+                    continue
+                else:
+                    other_ends = [channels[key][1 - side] for side, key, _, _ in posted[r]]
+                    if any(len(o) <= i for o, (_, _, i, _) in zip(other_ends, posted[r])):
+                        break  # a message's other end is not posted yet: wait
+                    for o, (_, key, i, msg) in zip(other_ends, posted[r]):
+                        if o[i][0] != msg:
+                            raise RuntimeError(f"rank {r}: {show(msg)} on {key} met {show(o[i][0])}")
+                        clock[r] = max(clock[r], o[i][1])
+                    posted[r] = None
+                pos[r] += 1
+                moved = True
+    if pos != [len(pl) for pl in plans]:
+        raise RuntimeError(f"deadlock: ranks stuck at {[show(pl[i]) for pl, i in zip(plans, pos) if i < len(pl)]}")
+    return timelines
+
+
+def show(a, v=1):
+    """F3, B3, W3 (micro-batch 3; with v > 1 chunks, F5.3: chunk 5's), or an exchange such
+    as [>a3 <g1]: send activation 3, receive gradient 1."""
+    if isinstance(a, (Compute, Message)):
+        return f"{a.kind[0]}{a.chunk}.{a.micro}" if v > 1 else f"{a.kind[0]}{a.micro}"
+    return "[" + " ".join([">" + show(x, v) for x, _ in a.sends] + ["<" + show(x, v) for x, _ in a.recvs]) + "]"
+
+
+def idle_fractions(timelines):
+    """Per rank: 1 - busy / span, the span being the whole pipeline's, first start to last end."""
+    t0 = min(t[0][1] for t in timelines)
+    span = max(t[-1][2] for t in timelines) - t0
+    return [1 - sum(e - s for _, s, e in t) / span for t in timelines]
+
+
+def max_held(actions):
+    """Most (chunk, micro-batch) activations held at once along a rank's compute actions:
+    from the forward to the end of the backward (to W, when the backward is split)."""
+    split = any(a.kind == "W" for a in actions)
+    held = peak = 0
+    for a in actions:
+        held += 1 if a.kind == "F" else -1 if a.kind == ("W" if split else "B") else 0
+        peak = max(peak, held)
+    return peak
+
+
+def draw(timelines, width):
+    """One text line per rank, `width` columns over the span: F, B or W where one runs,
+    '.' where the rank waits."""
+    t0 = min(t[0][1] for t in timelines)
+    dt = (max(t[-1][2] for t in timelines) - t0) / width
+    lines = []
+    for r, (t, idle) in enumerate(zip(timelines, idle_fractions(timelines))):
+        row = ["."] * width
+        for a, start, end in t:
+            for c in range(round((start - t0) / dt), round((end - t0) / dt)):
+                row[min(c, width - 1)] = a.kind
+        lines.append(f"  stage {r}: {''.join(row)}  idle {idle:.0%}")
+    return "\n".join(lines)
+
+
+def paper_width(name, p, m, v=1):
+    """Columns for draw(): one per unit of the simulated span."""
+    t = simulate(name, p, m, v)
+    return round(max(x[-1][2] for x in t) - min(x[0][1] for x in t))
+
+
+def print_layout(cfg, config, n_stages, v, act_shape):
+    blocks = [len(stage_layers(config.n_layer, n_stages * v, c)) for c in range(n_stages * v)]
+    print(f"pipeline: {n_stages} stages{f' x {v} chunks' if v > 1 else ''} with {blocks} blocks, "
+          f"schedule {cfg.schedule}, "
+          f"{cfg.n_micro} micro-batches of {act_shape[0]} x {config.block_size} tokens, "
+          f"{M.param_count(config) / 1e6:.2f}M parameters, bubble {bubble(cfg.schedule, n_stages, cfg.n_micro, v):.1%}")
+
+
+def print_timeline(name, p, m, v, measured):
+    """The plan of every rank, its timeline on paper, and the measured one."""
+    width = paper_width(name, p, m, v)
+    print(f"schedule {name}, {p} stages, {m} micro-batches (> send, < receive; a: activation, g: gradient):")
+    for r in range(p):
+        print(f"  stage {r}: " + " ".join(show(a, v) for a in plan(name, p, m, r, v)))
+    print("on paper (a forward takes 1 unit, a backward 2, or B and W 1 each):")
+    print(draw(simulate(name, p, m, v), width))
+    span = max(t[-1][2] for t in measured) - min(t[0][1] for t in measured)
+    print(f"measured, last step ({1000 * span:.1f} ms from the first compute to the last):")
+    print(draw(measured, width))
+
+
+def action_times(stamps, device):
+    """The stamps of one step as (start, end) in seconds of the wall clock, which is
+    common to the ranks (and, NTP-synchronized, roughly to the machines). On a GPU a
+    stamp is a CUDA event, recorded without waiting; they are read here, once, at the
+    end of the step: wait for one last event, read the clock, date each event back."""
+    last = M.now(device)
+    M.elapsed(last, last)  # the step's one wait for the device (end_iter would wait here anyway)
+    wall = time.time()
+    return [(wall - M.elapsed(a, last), wall - M.elapsed(b, last)) for a, b in stamps]
+
+
+def idle_fraction(times, device, group=None):
+    """The share of the step this stage waited: 1 - busy / span, the span being the whole
+    pipeline's (the first compute anywhere to the last anywhere), agreed on by one
+    all_reduce(max) of two numbers over `group`. Bookkeeping, not training traffic."""
+    edges = torch.tensor([-times[0][0], times[-1][1]], dtype=torch.float64, device=device)
+    with C.untracked():
+        C.all_reduce(edges, op="max", group=group)
+    return 1 - sum(b - a for a, b in times) / edges.sum().item()
+
+
+def gather_timelines(times, name, n_micro, v, device, group=None):
+    """Every rank's measured [(Compute, start, end)] on the pipeline's first rank (None
+    elsewhere), for --timeline. Bookkeeping, not training traffic."""
+    ranks, me = C.group_ranks(group), C.get_rank(group)
+    mine = torch.tensor(times, dtype=torch.float64, device=device).view(-1)
+    rows = torch.empty(len(ranks) * mine.numel(), dtype=torch.float64, device=device) if me == 0 else None
+    with C.untracked():
+        C.gather(rows, mine, ranks[0], group=group)
+    if me != 0:
+        return None
+    return [[(a, t0, t1) for a, (t0, t1) in zip(schedule(name, len(ranks), n_micro, r, v), row.view(-1, 2).tolist())]
+            for r, row in enumerate(rows.view(len(ranks), -1))]
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """parallel_3d.py: data x tensor x pipeline on one mesh, against the one-process run.
 
 Two spawns. At 4 ranks: (dp, tp, pp) = (2, 2, 1), (2, 1, 2), (1, 2, 2), 20 steps each,
-both schedules (on one stage with one micro-batch they are the same plan, checked on
+GPipe and 1F1B (interleaved and ZB-H1 for 6 steps) (on one stage with one micro-batch they are the same plan, checked on
 paper, so (2, 2, 1) runs once), sequence parallelism on the 1F1B run of (1, 2, 2); the
 1F1B run of (2, 1, 2) also checkpoints and is resumed, its GPipe run all-reduces after the
 pipeline drains instead of during the last backward; and bad input. At 8 ranks:
@@ -33,6 +33,8 @@ BATCH, BLOCK = 24, 32  # conftest.TRAIN_ARGS
 PARITY = {4: [((2, 2, 1), "1f1b", 1, False), ((2, 1, 2), "gpipe", 3, False), ((2, 1, 2), "1f1b", 3, False),
               ((1, 2, 2), "gpipe", 2, False), ((1, 2, 2), "1f1b", 2, True)],
           8: [((2, 2, 2), "gpipe", 2, False), ((2, 2, 2), "1f1b", 2, True)]}
+# the newer schedules, 6 steps each (their 20-step parity is pipeline_parallel's test's)
+SHORT = [((1, 2, 2), "interleaved", 2, False), ((2, 1, 2), "zb", 2, False)]
 RESUMED = ((2, 1, 2), "1f1b", 3, False)  # the dp replicas and both tied copies load (tp slices: --save_path)
 NO_OVERLAP = ((2, 1, 2), "gpipe", 3, False)  # the dp all-reduce after the pipeline drains, not during it
 # a model every factorization of 8 can split: 8 heads, 8 blocks; 2 steps each
@@ -61,6 +63,8 @@ def _run_all(rank, world, train_args, out):
         extra += ["--overlap=False"] if run == NO_OVERLAP else []
         results[run] = _quiet(P3.main, train_args + flags(*run) + [f"--save_path={path}"] + extra) + (path,)
     if world == 4:
+        for run in SHORT:
+            results[run] = _quiet(P3.main, train_args + flags(*run) + ["--max_iters=6"])[0]
         results["resumed"] = _quiet(P3.main, train_args + flags(*RESUMED) + [f"--resume={out}/ckpt/step_000010"])[0]
         err = io.StringIO()
         with contextlib.redirect_stderr(err):
@@ -137,6 +141,17 @@ def test_parity_and_bytes(world, runs, reference, train_args):
             assert f"rank {r:4d} (pp, dp, tp) = ({p}, {d}, {t})" in printed
             groups = {a: next(g for g in P3.mesh_groups(dp, tp, pp)[a] if r in g) for a in P3.AXES}
             assert f"tp group {groups['tp']}  dp group {groups['dp']}  pp group {groups['pp']}" in printed
+
+
+def test_every_schedule(runs, reference, train_args):
+    """Interleaved (2 chunks a stage) and ZB-H1 on a mesh: the reference's losses, and the
+    bytes of axis_bytes (interleaved: 2·(pp·v-1)·m activations across the pipeline)."""
+    results = runs(4)
+    config = M.make_config("tiny", VOCAB, BLOCK)
+    for run in SHORT:
+        records = results[run]
+        assert_logs_match(records, reference[0][:6], 1e-4)
+        check_bytes(records, config, _cfg(train_args + flags(*run) + ["--max_iters=6"]), run[0])
 
 
 def test_resume_and_bad_input(runs):
