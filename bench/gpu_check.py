@@ -7,7 +7,7 @@ and exits non-zero if any fails, a part that times out included.
     python bench/gpu_check.py --device=cpu           # the same items on the tiny preset: a smoke test
     python bench/gpu_check.py --list
 
-Parts, each one torchrun launch at one rank (device: none), each under its own timeout:
+Parts, each one process at one rank (as torchrun starts it), each under its own timeout:
   device   the GPU is real (a matmul on it matches the CPU's), its name, compute
            capability, native bf16, NCCL's version, and the peak FLOP/s MFU is counted against
   parity   every strategy file at one rank against the plain loop (model.GPT, the same
@@ -37,7 +37,7 @@ the GPU machine may have no network to fetch the Shakespeare corpus.
 import argparse
 import json
 import os
-import statistics
+import socket
 import subprocess
 import sys
 import tempfile
@@ -156,7 +156,8 @@ def verdicts(part, result, device):
                                    result.get("flops_per_token"), MIN_SPEED[device])
         out.append((ok, "speed", detail))
         ok, detail = loss_verdict("ddp", ours.get("loss"), plain.get("loss"), BF16_TOL, iters)
-        out.append((ok, "speed losses (compiled bf16, ddp.py against the plain loop)", detail))
+        out.append((ok, f"speed losses ({'compiled bf16' if device == 'cuda' else 'eager float32'}, ddp.py against "
+                        f"the plain loop)", detail))
     if result.get("error") and part != "speed":
         out.append((False, f"{part}", result["error"]))
     return out
@@ -248,7 +249,7 @@ def device_check():
 
 
 def child(part, device, data, out, iters):
-    """Run one part at one rank in this process (under torchrun), writing what it finds to
+    """Run one part at one rank in this process (as rank 0 of one), writing what it finds to
     `out` after every run: a part cut off by its timeout keeps the runs it finished."""
     import torch
     import torch.distributed as dist
@@ -340,14 +341,19 @@ def child(part, device, data, out, iters):
 
 
 def launch(part, device, data, iters, timeout, tmp):
-    """One torchrun launch at one rank for `part`. -> its result, with error set when it
-    failed or ran out of time (then the runs it finished are kept)."""
+    """One process at one rank for `part`, in the environment torchrun gives a rank (RANK,
+    WORLD_SIZE, MASTER_ADDR, ...), set here rather than by torchrun: torchrun starts its
+    worker in a session of its own, which a timeout could not kill with it. -> the part's
+    result, with error set when it failed or ran out of time (the runs it finished kept)."""
     out = os.path.join(tmp, f"{part}.json")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
-           os.path.abspath(__file__), f"--child={part}", f"--device={device}", f"--data={data}", f"--out={out}",
-           f"--iters={iters}"]
+    cmd = [sys.executable, os.path.abspath(__file__), f"--child={part}", f"--device={device}", f"--data={data}",
+           f"--out={out}", f"--iters={iters}"]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
     # cuBLAS reads its workspace setting when it starts: without it, deterministic mode refuses its matmuls
-    env = dict(os.environ, CUBLAS_WORKSPACE_CONFIG=":4096:8", PYTHONUNBUFFERED="1")
+    env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(port), CUBLAS_WORKSPACE_CONFIG=":4096:8", PYTHONUNBUFFERED="1")
     if device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""  # the smoke test stays on the CPU on a machine with a GPU too
     t0 = time.time()
