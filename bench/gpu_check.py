@@ -274,7 +274,7 @@ def child(part, device, data, out, iters):
     if gpu:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     else:
-        torch.set_num_threads(min(4, os.cpu_count() or 1))
+        torch.set_num_threads(1)  # on a busy CPU, 2 threads spinning in OpenMP's barriers ran a step 20x slower
     # the NCCL group (gloo on a CPU), created once for every run of the part, as a
     # strategy creates it: the strategies find it and leave it up (the tests' harness does the same)
     dist.init_process_group("nccl" if gpu else "gloo", **({"device_id": torch.device("cuda", torch.cuda.current_device())}
@@ -302,6 +302,9 @@ def child(part, device, data, out, iters):
             for name, _, flags in STRATEGIES:
                 compiled = ["--compile=True"] if part == "compile" else []
                 key = f"{name} {dtype}" + (" compiled" if compiled else "")
+                if gpu:  # this run's peak memory, not the one before it
+                    torch.cuda.empty_cache()
+                    torch.cuda.reset_peak_memory_stats()
                 try:
                     records = mains[name](model_flags + common + flags + compiled + [f"--dtype={dtype}"])
                     result["runs"][key] = dict(loss=[r["loss"] for r in records],
@@ -311,9 +314,6 @@ def child(part, device, data, out, iters):
                     result["runs"][key] = dict(error=f"{name} exited with {e.code}")
                 except Exception as e:  # noqa: BLE001 - reported as this item's FAIL
                     result["runs"][key] = dict(error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
-                if gpu:
-                    torch.cuda.empty_cache()
-                    torch.cuda.reset_peak_memory_stats()
                 save()
     elif part == "speed":
         import statistics as st

@@ -27,6 +27,7 @@ def fake_runs(part, shift=0.0, drop=None):
     return dict(part=part, iters=len(LOSSES), runs=runs, seconds=1.0)
 
 
+@pytest.mark.quick
 def test_loss_verdicts():
     assert G.loss_verdict("ddp", LOSSES, LOSSES, 1e-4, 6)[0]
     assert not G.loss_verdict("ddp", [x + 1e-2 for x in LOSSES], LOSSES, G.BF16_TOL, 6)[0]  # off by 1e-2: even bf16's
@@ -37,6 +38,7 @@ def test_loss_verdicts():
     assert G.units_verdict(2)[0] and not G.units_verdict(13)[0]
 
 
+@pytest.mark.quick
 def test_speed_verdict():
     ok, detail = G.speed_verdict(480e3, 500e3, 989e12, 8.5e8, 0.95)
     assert ok and "MFU 41.3%" in detail and "0.960" in detail
@@ -106,9 +108,21 @@ def test_faked_gpu_fails_end_to_end():
 
 
 def test_cpu_smoke_run_passes():
-    r = python("bench/gpu_check.py", ["--device=cpu"], timeout=600)
+    """The real thing on CPU: every part but compile, 3 steps a run (the default is 6)."""
+    r = python("bench/gpu_check.py", ["--device=cpu", "--iters=3"], timeout=900)
     assert r.returncode == 0, r.stdout + r.stderr[-3000:]
     assert "failed" in r.stdout and " 0 failed" in r.stdout
     for name, _, _ in G.STRATEGIES:
         assert f"PASS  parity {name} float32" in r.stdout
     assert "PASS  speed:" in r.stdout
+
+
+def test_a_real_timeout_kills_the_part(capsys):
+    """A part that outlives --timeout_s is killed there and then (not left running until it
+    ends), and gives a FAIL line, not a traceback."""
+    import time
+    t0 = time.time()
+    code = G.main(["--device=cpu", "--only=parity", "--timeout_s=3"])
+    out = capsys.readouterr().out
+    assert code == 1 and "timed out after 3s" in out and "Traceback" not in out, out
+    assert time.time() - t0 < 30
