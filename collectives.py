@@ -93,9 +93,9 @@ def init_distributed(timeout_s=None):
 
 
 def shutdown():
-    """Stop the async worker; destroy the process group only if init_distributed made it."""
+    """Stop the async workers; destroy the process group only if init_distributed made it."""
     global _we_created_group
-    _stop_worker()  # runs everything still queued first
+    _stop_workers()  # runs everything still queued first
     if _we_created_group and _initialized():
         # torch < ~2.6 destroys an NCCL group by aborting its communicator, in-flight work
         # included, and waiting on NCCL work does not block the CPU: a rank that got here
@@ -396,18 +396,21 @@ def _gather_step(pieces, mine, root, me, ranks):
 
 # ----------------------------------------------------------------------------- async
 
-# One background worker thread per process runs the submitted ops in FIFO order, so all
-# ranks run their collectives in the order they were called and their messages match. A
-# synchronous call runs inline when nothing is queued, else it queues and waits, so it
-# never overtakes an async op. On gloo the overlap comes from the thread itself: gloo
-# releases the GIL while bytes move, and the main thread computes meanwhile. On CUDA the
-# worker runs the op on a side stream that first waits for an event recorded on the
-# caller's stream (so it sees finished inputs); wait() makes the caller's current stream
-# wait for an event recorded after the op: ordered on the GPU, the CPU does not block.
-# As with torch.distributed, an async op's tensors are the op's until wait(): on gloo the
-# worker reads the input whenever it gets to it, so the caller must not change it before.
-# Never call torch.distributed itself on a group while an op of ours may be queued: the
-# two threads would put their messages on the wire in a different order on each rank.
+# One worker thread and one queue per process group run that group's submitted ops in FIFO
+# order, so all ranks run a group's collectives in the order they were called and their
+# messages match. Order is only needed within a group: in 3-D the tensor-parallel
+# all-reduce on the critical path must not queue behind the data-parallel buckets. A
+# synchronous call runs inline when nothing of its group is queued, else it queues and
+# waits, so it never overtakes an async op of its group. On gloo the overlap comes from the
+# threads: gloo releases the GIL while bytes move, and the main thread computes meanwhile.
+# On CUDA each worker runs its ops on a side stream of its own that first waits for an
+# event recorded on the caller's stream (so it sees finished inputs); wait() makes the
+# caller's current stream wait for an event recorded after the op: ordered on the GPU, the
+# CPU does not block. As with torch.distributed, an async op's tensors are the op's until
+# wait(): on gloo the worker reads the input whenever it gets to it, so the caller must not
+# change it before. Never call torch.distributed itself on a group while an op of ours may
+# be queued on it: the two threads would put their messages on the wire in a different
+# order on each rank.
 
 class Handle:
     def __init__(self, fn, device):
@@ -426,15 +429,28 @@ class Handle:
         return True
 
 
-_queue, _worker, _pending = None, None, 0  # _pending: ops queued or running on the worker, under _lock
+class _Worker:
+    """A group's thread and queue; pending: its ops queued or running, under _lock."""
+
+    def __init__(self, key):
+        self.queue, self.pending = queue.Queue(), 0
+        self.thread = threading.Thread(target=_work_loop, args=(self,), daemon=True, name=f"collectives {key}")
+        self.thread.start()
+
+
+_workers = {}  # the group (None: no process group at all) -> its _Worker, under _lock
+
+
+def _key(group):
+    return _world(group) if _initialized() else None
 
 
 def _execute(name, tracked, fn):
-    # The op's name is kept even when untracked, for CommError. Thread-local, as the worker
-    # and the caller each run ops (never at once: a sync op runs inline only when none is
-    # queued). no_grad: grad mode is per thread, and without it a sync op queued behind async
-    # ones (so run by the worker, where grad mode is on) would record autograd history on
-    # tensors that require grad, and the same op run inline under no_grad would not.
+    # The op's name is kept even when untracked, for CommError. Thread-local, as the workers
+    # and the caller each run ops (never two of one group at once: a sync op runs inline only
+    # when none of its group is queued). no_grad: grad mode is per thread, and without it a
+    # sync op queued behind async ones (so run by a worker, where grad mode is on) would record
+    # autograd history on tensors that require grad, and the same op run inline would not.
     _running.op = (name, tracked)
     try:
         with torch.no_grad():
@@ -443,57 +459,67 @@ def _execute(name, tracked, fn):
         _running.op = None
 
 
-def _work_loop(q):
-    global _pending
-    streams = {}
-    while (job := q.get()) is not None:
-        name, tracked, fn, device, ready, handle = job
-        try:
-            if ready is None:
-                _execute(name, tracked, fn)
-            else:
-                if device not in streams:
-                    streams[device] = torch.cuda.Stream(device)
-                stream = streams[device]
-                with torch.cuda.device(device), torch.cuda.stream(stream):
-                    stream.wait_event(ready)
-                    _execute(name, tracked, fn)
-                    handle._event = torch.cuda.Event()
-                    handle._event.record(stream)
-        except BaseException as e:  # raised again at wait()
-            handle._error = e
+def _run_job(streams, name, tracked, fn, device, ready, handle):
+    try:
+        if ready is None:
+            _execute(name, tracked, fn)
+            return
+        if device not in streams:
+            streams[device] = torch.cuda.Stream(device)
+        stream = streams[device]
+        with torch.cuda.device(device), torch.cuda.stream(stream):
+            stream.wait_event(ready)
+            _execute(name, tracked, fn)
+            handle._event = torch.cuda.Event()
+            handle._event.record(stream)
+    except BaseException as e:  # raised again at wait()
+        handle._error = e
+
+
+def _work_loop(worker):
+    streams = {}  # this group's side stream on each device
+    while True:
+        job = worker.queue.get()
+        if job is None:
+            return
+        handle = job[-1]
+        _run_job(streams, *job)
+        # Drop the op (its closure holds its tensors) now, not when the next job arrives:
+        # FSDP's last reduce-scatter input would otherwise outlive the optimizer step.
+        job = None
         with _lock:
-            _pending -= 1
+            worker.pending -= 1
         handle._done.set()
+        handle = None
 
 
-def _stop_worker(timeout=None):
-    """Let the worker finish what is queued, then end it. No timeout (shutdown): it must be
-    gone before anything runs inline, or its last ops and those would be on the wire at once."""
-    global _queue, _worker
-    if _worker is not None:
-        _queue.put(None)  # after everything queued before it
-        _worker.join(timeout)
+def _stop_workers(timeout=None):
+    """Let each worker finish what is queued, then end it. No timeout (shutdown): they must be
+    gone before anything runs inline, or their last ops and those would be on the wire at once."""
     with _lock:
-        _queue, _worker = None, None
+        workers = list(_workers.values())
+    for w in workers:
+        w.queue.put(None)  # after everything queued before it
+    for w in workers:
+        w.thread.join(timeout)
+    with _lock:
+        _workers.clear()
 
 
-atexit.register(_stop_worker, 10)
+atexit.register(_stop_workers, 10)
 
 
-def _launch(name, fn, async_op, device):
-    """Run fn now, or hand it to the worker; traffic is charged to `name` unless untracked()."""
-    global _queue, _worker, _pending
+def _launch(name, fn, async_op, device, group=None):
+    """Run fn now, or hand it to the group's worker; traffic is charged to `name` unless untracked()."""
     tracked = _untracked_depth == 0  # decided when the op is issued, not when it runs
+    key = _key(group)
     with _lock:
-        inline = not async_op and _pending == 0
+        worker = _workers.get(key)
+        inline = not async_op and (worker is None or worker.pending == 0)
         if not inline:
-            _pending += 1
-            if _worker is None:  # under the lock: two issuing threads must not start two workers
-                _queue = queue.Queue()
-                _worker = threading.Thread(target=_work_loop, args=(_queue,), daemon=True, name="collectives")
-                _worker.start()
-            q = _queue
+            if worker is None:  # under the lock: two issuing threads must not start two workers
+                worker = _workers[key] = _Worker(key)
+            worker.pending += 1
     if inline:
         return _execute(name, tracked, fn)
     ready = None
@@ -501,15 +527,18 @@ def _launch(name, fn, async_op, device):
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(device))
     handle = Handle(fn, device)
-    q.put((name, tracked, fn, device, ready, handle))
+    worker.queue.put((name, tracked, fn, device, ready, handle))
     if async_op:
         return handle
     handle.wait()
 
 
 def _drain():
-    """Return once the worker has run everything queued: a sync no-op never overtakes."""
-    _launch("drain", lambda: None, False, torch.device("cpu"))
+    """Return once every worker has run everything queued: a sync no-op per group never overtakes."""
+    with _lock:
+        keys = list(_workers)
+    for key in keys:
+        _launch("drain", lambda: None, False, torch.device("cpu"), key)
 
 # ----------------------------------------------------------------------------- argument checks
 
@@ -552,7 +581,7 @@ def _copy_back(t, flat):
 def send(tensor, dst, group=None, async_op=False):
     me, n, ranks = _members(group)
     _check(_index_of(dst, ranks, "dst") != me, "send: never send to yourself")
-    return _launch("send", lambda: _run([([(_flat(tensor), dst)], [], None)], group), async_op, tensor.device)
+    return _launch("send", lambda: _run([([(_flat(tensor), dst)], [], None)], group), async_op, tensor.device, group)
 
 
 def recv(tensor, src, group=None, async_op=False):
@@ -563,7 +592,7 @@ def recv(tensor, src, group=None, async_op=False):
         flat = _flat(tensor)
         _run([([], [(flat, src)], None)], group)
         _copy_back(tensor, flat)
-    return _launch("recv", fn, async_op, tensor.device)
+    return _launch("recv", fn, async_op, tensor.device, group)
 
 
 def broadcast(tensor, src, group=None, async_op=False):
@@ -574,7 +603,7 @@ def broadcast(tensor, src, group=None, async_op=False):
         flat = _flat(tensor)
         _run(_tree_broadcast(flat, root, me, n, ranks), group)
         _copy_back(tensor, flat)
-    return _launch("broadcast", fn, async_op, tensor.device)
+    return _launch("broadcast", fn, async_op, tensor.device, group)
 
 
 def reduce(tensor, dst, op="sum", group=None, async_op=False):
@@ -599,7 +628,7 @@ def reduce(tensor, dst, op="sum", group=None, async_op=False):
             if op == "avg":
                 flat.div_(n)
             _copy_back(tensor, flat)
-    return _launch("reduce", fn, async_op, tensor.device)
+    return _launch("reduce", fn, async_op, tensor.device, group)
 
 
 def all_reduce(tensor, op="sum", group=None, async_op=False):
@@ -621,7 +650,7 @@ def all_reduce(tensor, op="sum", group=None, async_op=False):
         if op == "avg":
             flat.div_(n)
         _copy_back(tensor, flat)
-    return _launch("all_reduce", fn, async_op, tensor.device)
+    return _launch("all_reduce", fn, async_op, tensor.device, group)
 
 
 def reduce_scatter(output, input, op="sum", group=None, async_op=False):
@@ -639,7 +668,7 @@ def reduce_scatter(output, input, op="sum", group=None, async_op=False):
         if op == "avg":
             out.div_(n)
         _copy_back(output, out)
-    return _launch("reduce_scatter", fn, async_op, input.device)
+    return _launch("reduce_scatter", fn, async_op, input.device, group)
 
 
 def all_gather(output, input, group=None, async_op=False):
@@ -654,7 +683,7 @@ def all_gather(output, input, group=None, async_op=False):
         steps, depth = _ring_all_gather(chunks, me, n, ranks[(me - 1) % n], ranks[(me + 1) % n])
         _run(steps, group, depth)
         _copy_back(output, out)
-    return _launch("all_gather", fn, async_op, input.device)
+    return _launch("all_gather", fn, async_op, input.device, group)
 
 
 def scatter(output, input, src, group=None, async_op=False):
@@ -672,7 +701,7 @@ def scatter(output, input, src, group=None, async_op=False):
             out.copy_(pieces[me])
         _run([_scatter_step(pieces, out, root, me, ranks)], group)
         _copy_back(output, out)
-    return _launch("scatter", fn, async_op, output.device)
+    return _launch("scatter", fn, async_op, output.device, group)
 
 
 def gather(output, input, dst, group=None, async_op=False):
@@ -692,7 +721,7 @@ def gather(output, input, dst, group=None, async_op=False):
         _run([_gather_step(pieces, _flat(input), root, me, ranks)], group)
         if me == root:
             _copy_back(output, out)
-    return _launch("gather", fn, async_op, input.device)
+    return _launch("gather", fn, async_op, input.device, group)
 
 
 def _rows(t):
@@ -749,7 +778,7 @@ def all_to_all(output, input, output_split_sizes=None, input_split_sizes=None, g
         _run([([(send[(me + k) % n], ranks[(me + k) % n])], [(recv[(me - k) % n], ranks[(me - k) % n])], None)
               for k in range(1, n)], group, max(1, n - 1))
         _copy_back(output, out)
-    return _launch("all_to_all", fn, async_op, input.device)
+    return _launch("all_to_all", fn, async_op, input.device, group)
 
 
 def barrier(group=None):
@@ -765,7 +794,7 @@ def barrier(group=None):
         _run(_tree_reduce(t, 0, me, n, ranks, torch.add, t), group)
         _run(_tree_broadcast(t, 0, me, n, ranks), group)
     with untracked():
-        _launch("barrier", fn, False, t.device)
+        _launch("barrier", fn, False, t.device, group)
     t.item()
 
 
@@ -807,4 +836,4 @@ def sendrecv(send_tensor, dst, recv_tensor, src, group=None, async_op=False):
         if flat is not None:
             _copy_back(recv_tensor, flat)
     device = (send_tensor if send_tensor is not None else recv_tensor).device
-    return _launch("sendrecv", fn, async_op, device)
+    return _launch("sendrecv", fn, async_op, device, group)

@@ -12,6 +12,7 @@ import os
 import sys
 import time
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -254,6 +255,30 @@ def run_async_ops(rank, n):
     same(got_ag, want, "async all_gather")
     same(got_rs, builtin_all_reduce(xs, "max")[rank * 1001:(rank + 1) * 1001], "async reduce_scatter")
     same(got_b, builtin_all_reduce(b, "min"), "async all_reduce min")
+
+
+def check_groups_independent(rank, n):
+    """At world 3: an async op on {0,1} whose peer joins late must not delay a sync op on
+    {0,2}. Rank 1 joins only once rank 2 says the op on {0,2} is done, so if rank 0's sync op
+    queued behind its async one (one queue for every group), the three would wait on each
+    other until the groups' timeout, and rank 0 would raise CommError."""
+    timeout = datetime.timedelta(seconds=15)
+    g01, g02 = dist.new_group([0, 1], timeout=timeout), dist.new_group([0, 2], timeout=timeout)
+    g12 = dist.new_group([1, 2])
+    a, b, go = torch.full((1000,), float(rank)), torch.full((1000,), float(rank)), torch.zeros(1)
+    if rank == 0:
+        h = C.all_reduce(a, group=g01, async_op=True)
+        C.all_reduce(b, group=g02)
+        assert not h.is_completed(), "rank 1 cannot have joined yet"
+        h.wait()
+        assert torch.equal(a, torch.full((1000,), 1.0)) and torch.equal(b, torch.full((1000,), 2.0))
+    elif rank == 1:
+        dist.recv(go, 2, group=g12)  # the built-in, on a group of its own: a signal, not our traffic
+        C.all_reduce(a, group=g01)
+    else:
+        C.all_reduce(b, group=g02)
+        dist.send(go, 1, group=g12)
+    C.barrier()
 
 
 def check_bytes(rank, n):
@@ -526,6 +551,8 @@ def all_checks(rank, n):
     check_all_to_all_splits(rank, n)
     check_world_is_explicit(rank, n)
     check_stats_and_barrier(rank, n)
+    if n == 3:
+        check_groups_independent(rank, n)
     if n == 4:
         check_subgroups(rank, n)
         check_group_bytes(rank, n)
@@ -584,7 +611,20 @@ def test_no_process_group():
     with pytest.raises(RuntimeError, match="boom"):
         h.wait()
     C.shutdown()
-    assert C._worker is None
+    assert not C._workers
+
+
+def test_worker_drops_finished_job():
+    """Once an async op has been waited for, the worker holds none of its tensors."""
+    x = torch.ones(1000)
+    alive = weakref.ref(x)
+    h = C.all_reduce(x, async_op=True)
+    h.wait()
+    del x, h
+    try:
+        assert alive() is None, "the worker keeps the last op's tensor alive"
+    finally:
+        C.shutdown()
 
 
 def never_arrives(rank, n):
