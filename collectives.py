@@ -49,6 +49,7 @@ import operator
 import os
 import queue
 import threading
+import time
 from collections import defaultdict, deque
 
 import torch
@@ -66,12 +67,16 @@ PIPELINE_DEPTH = 2                 # and keep this many in flight: one moves whi
 # ----------------------------------------------------------------------------- process group
 
 _we_created_group = False
+_timeout_s = None  # --timeout_s: the deadline of the waits that block the CPU (None: torch's default)
+_group_timeout = None  # what init_distributed gave the world, for new_group to give each sub-group
+_store = None  # the rendezvous store of the group we made: barriers that outlast the timeout use it
+NCCL_GRACE_S = 60  # NCCL's watchdog fires this much after our own CPU-side deadline
 
 
 def init_distributed(timeout_s=None):
     """-> (rank, world_size, local_rank, device). The one place the backend is chosen.
     timeout_s: how long a rank waits for a peer before its collective fails (CommError)."""
-    global _we_created_group
+    global _we_created_group, _timeout_s, _group_timeout, _store
     cuda, local_rank = torch.cuda.is_available(), int(os.environ.get("LOCAL_RANK", 0))
     if cuda:
         torch.cuda.set_device(local_rank)  # before NCCL starts, or every rank lands on GPU 0
@@ -82,19 +87,25 @@ def init_distributed(timeout_s=None):
         # attempt gets its own prefix in the store, as the env:// rendezvous makes it.
         store, rank, world = next(dist.rendezvous("env://", **kw))
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        kw.update(store=dist.PrefixStore(f"attempt{attempt}/", store), rank=rank, world_size=world)
+        _store = dist.PrefixStore(f"attempt{attempt}/", store)
+        if cuda and timeout_s is not None:
+            # On NCCL a wait does not block the CPU, so our own deadline is checked only where
+            # the CPU waits (barrier, gather_stats); the watchdog, which aborts the process at
+            # the group's timeout, comes a grace period later, so that those waits report first.
+            kw["timeout"] = datetime.timedelta(seconds=timeout_s + NCCL_GRACE_S)
+        kw.update(store=_store, rank=rank, world_size=world)
         if cuda:  # device_id makes NCCL create its communicator now, with every rank present
             dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank), **kw)
         else:
             dist.init_process_group("gloo", **kw)
-        _we_created_group = True
+        _we_created_group, _timeout_s, _group_timeout = True, timeout_s, kw.get("timeout")
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     return get_rank(), get_world_size(), local_rank, device
 
 
 def shutdown():
     """Stop the async workers; destroy the process group only if init_distributed made it."""
-    global _we_created_group
+    global _we_created_group, _timeout_s, _group_timeout, _store
     _stop_workers()  # runs everything still queued first
     if _we_created_group and _initialized():
         # torch < ~2.6 destroys an NCCL group by aborting its communicator, in-flight work
@@ -107,7 +118,7 @@ def shutdown():
             barrier()
         finally:
             dist.destroy_process_group()
-    _we_created_group = False
+    _we_created_group, _timeout_s, _group_timeout, _store = False, None, None, None
 
 
 def _initialized():
@@ -151,7 +162,7 @@ def _index_of(root, ranks, what):
 
 def _comm_device(group):
     """Where a scratch tensor for this group must live: NCCL moves only GPU memory."""
-    if _initialized() and dist.get_backend(_world(group)) == "nccl":
+    if _is_nccl(group):
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
@@ -167,7 +178,7 @@ def new_group(ranks):
     if not _initialized():
         return None  # one rank, so the group is the whole world
     _drain()  # the split must not interleave with our worker's messages on the world
-    group = dist.new_group(ranks)
+    group = dist.new_group(ranks, timeout=_group_timeout)  # None: torch's default, not the world's
     if get_rank() not in ranks:
         return None
     # Create the communicator now, with every member present. Before torch 2.5 NCCL members
@@ -265,17 +276,20 @@ def _comm_error(e, messages, ranks, doing):
     return CommError(f"rank {get_rank()}: {_running.op[0]} on ranks {ranks} {doing} {peers}: {first}")
 
 
-def _run(steps, group, depth=1):
+def _run(steps, group, depth=1, block=False, timeout_s=None):
     """Run the steps in order with up to `depth` of them posted: step i's then() runs while
     steps i+1.. are already moving. So a step may only send what a then() at least `depth`
-    steps earlier produced (the rings keep depth <= segments per chunk to guarantee it)."""
+    steps earlier produced (the rings keep depth <= segments per chunk to guarantee it).
+    block: the CPU waits for every message (on NCCL too); timeout_s: that wait's deadline
+    instead of the group's."""
     ranks = group_ranks(group)
+    poll = block and _is_nccl(group)
     posted = deque(_post(steps[i], group, ranks) for i in range(min(depth, len(steps))))
     for i, (_, _, then) in enumerate(steps):
         works, messages = posted.popleft()
         for j, work in enumerate(works):
             try:
-                work.wait()
+                _wait(work, poll, timeout_s)
             except RuntimeError as e:
                 # gloo returns a work per message, so the messages from the failed one on are
                 # still awaited; NCCL returns one work for the whole step: all of them are
@@ -286,6 +300,26 @@ def _run(steps, group, depth=1):
             then()
         if i + depth < len(steps):
             posted.append(_post(steps[i + depth], group, ranks))
+
+
+def _wait(work, poll, timeout_s):
+    """gloo's wait blocks the CPU, up to the group's timeout or timeout_s. NCCL's only makes the
+    current stream wait (the watchdog aborts the process at the group's timeout), and its
+    wait(timeout) blocks only from torch ~2.5 on: so where we must block, we poll, with our
+    own deadline, and a timeout is a CommError like gloo's."""
+    if not poll:
+        return work.wait() if timeout_s is None else work.wait(datetime.timedelta(seconds=timeout_s))
+    work.wait()
+    limit = timeout_s if timeout_s is not None else _timeout_s
+    deadline = None if limit is None else time.monotonic() + limit
+    while not work.is_completed():
+        if deadline is not None and time.monotonic() > deadline:
+            raise RuntimeError(f"timed out after {limit} s (checked on the CPU)")
+        time.sleep(0.0002)
+
+
+def _is_nccl(group):
+    return _initialized() and dist.get_backend(_world(group)) == "nccl"
 
 
 def _pieces(t, parts):
@@ -781,28 +815,52 @@ def all_to_all(output, input, output_split_sizes=None, input_split_sizes=None, g
     return _launch("all_to_all", fn, async_op, input.device, group)
 
 
-def barrier(group=None):
+def barrier(group=None, timeout_s=None):
     """Nobody leaves before everybody has arrived: a tree all_reduce of one element, untracked.
-    Every rank's result depends on every rank having sent, so it cannot finish early; on
-    NCCL the wait only orders the stream, and .item() is what blocks the CPU until then."""
+    Every rank's result depends on every rank having sent, so it cannot finish early; the CPU
+    waits for it (on NCCL too), and a peer that does not come is a CommError after --timeout_s.
+    timeout_s: wait this long instead, for a barrier that waits on host work rather than on
+    communication (rank 0 writing and hashing a checkpoint). NCCL's watchdog would abort any
+    message older than the group's timeout, so that barrier goes through the rendezvous store
+    when init_distributed made the group (without it, NCCL's limit still holds)."""
     if not _initialized():
         return
     me, n, ranks = _members(group)
     t = torch.zeros(1, device=_comm_device(group))
 
     def fn():
-        _run(_tree_reduce(t, 0, me, n, ranks, torch.add, t), group)
-        _run(_tree_broadcast(t, 0, me, n, ranks), group)
+        if timeout_s is not None and _store is not None:
+            return _store_barrier(ranks, timeout_s)
+        _run(_tree_reduce(t, 0, me, n, ranks, torch.add, t), group, block=True, timeout_s=timeout_s)
+        _run(_tree_broadcast(t, 0, me, n, ranks), group, block=True, timeout_s=timeout_s)
     with untracked():
         _launch("barrier", fn, False, t.device, group)
-    t.item()
+
+
+_store_barriers = defaultdict(int)  # the group's global ranks -> store barriers so far
+
+
+def _store_barrier(ranks, timeout_s):
+    """Each rank marks its arrival under a key of its own; the last to arrive opens the door."""
+    key = f"collectives/barrier/{'-'.join(map(str, ranks))}/{_store_barriers[tuple(ranks)]}"
+    _store_barriers[tuple(ranks)] += 1
+    _store.set(f"{key}/{get_rank()}", "1")
+    if _store.add(key, 1) == len(ranks):
+        _store.set(f"{key}/all", "1")
+    try:
+        _store.wait([f"{key}/all"], datetime.timedelta(seconds=timeout_s))
+    except RuntimeError as e:
+        late = ", ".join(f"rank {r}" for r in ranks if not _store.check([f"{key}/{r}"]))
+        raise CommError(f"rank {get_rank()}: barrier on ranks {ranks} timed out after {timeout_s} s "
+                        f"waiting for {late}") from e
 
 
 def gather_stats(values, group=None):
     """A few numbers from every rank (loss, bytes sent, memory...) gathered to the group's
     first rank for the log: values is {name: number}, the same names in the same order on
     every rank. -> {name: [the value on each rank of the group]} there, None elsewhere.
-    Bookkeeping, so its own traffic is not counted."""
+    Bookkeeping, so its own traffic is not counted; the CPU waits for it (a dead peer is a
+    CommError after --timeout_s, on NCCL too)."""
     _check(isinstance(values, dict), f"gather_stats: values must be {{name: number}}, not {type(values).__name__}")
     me, n, ranks = _members(group)
     if n == 1:  # one rank: nothing to gather, nothing launched
@@ -810,8 +868,14 @@ def gather_stats(values, group=None):
     names, device = list(values), _comm_device(group)
     mine = torch.tensor([float(values[k]) for k in names], dtype=torch.float64, device=device)
     rows = torch.empty(n * len(names), dtype=torch.float64, device=device) if me == 0 else None
+
+    def fn():
+        pieces = _pieces(rows, n) if me == 0 else None
+        if me == 0:
+            pieces[0].copy_(mine)
+        _run([_gather_step(pieces, mine, 0, me, ranks)], group, block=True)
     with untracked():
-        gather(rows, mine, ranks[0], group)
+        _launch("gather_stats", fn, False, device, group)
     return dict(zip(names, rows.view(n, len(names)).t().tolist())) if me == 0 else None
 
 

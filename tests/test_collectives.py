@@ -627,11 +627,59 @@ def test_worker_drops_finished_job():
         C.shutdown()
 
 
+class NcclLikeWork:
+    """What NCCL's work.wait() is to the CPU: it returns at once. This one never completes."""
+    def wait(self, timeout=None):
+        return True
+
+    def is_completed(self):
+        return False
+
+
+def cpu_side_deadline(rank):
+    """Rank 0 pretends to be on NCCL, where wait() does not block: the waits that must block the
+    CPU (barrier, gather_stats) poll with their own deadline and end in a CommError."""
+    saved = C._is_nccl, C._comm_device, dist.batch_isend_irecv, C._timeout_s
+    C._is_nccl, C._comm_device = (lambda group: True), (lambda group: torch.device("cpu"))
+    dist.batch_isend_irecv, C._timeout_s = (lambda ops: [NcclLikeWork() for _ in ops]), 0.5
+    errors = []
+    try:
+        for call in (C.barrier, lambda: C.gather_stats({"loss": 1.0})):
+            with pytest.raises(C.CommError) as e:
+                call()
+            errors.append(str(e.value))
+    finally:
+        C._is_nccl, C._comm_device, dist.batch_isend_irecv, C._timeout_s = saved
+    return errors
+
+
+def late_host_work(rank, group):
+    """Rank 1 comes 2 s late (say, rank 0 was writing a checkpoint) to barriers with a timeout of
+    their own, on a group whose timeout is 1 s: through the rendezvous store, then on gloo's own
+    messages (no store), and neither fails. -> how long rank 0 waited in each."""
+    waited = []
+    for store in (dist.distributed_c10d._get_default_store(), None):
+        C._store = store
+        t0 = time.perf_counter()
+        if rank == 1:
+            time.sleep(2)
+        C.barrier(group, timeout_s=60)
+        waited.append(time.perf_counter() - t0)
+    C._store = dist.distributed_c10d._get_default_store()
+    if rank == 0:  # and a store barrier's own deadline names the rank that did not come
+        with pytest.raises(C.CommError) as e:
+            C.barrier(group, timeout_s=0.5)
+        waited.append(str(e.value))
+    C._store = None
+    return waited
+
+
 def never_arrives(rank, n):
     """Rank 1 never joins: rank 0's waits time out, and say for whom: a sync op, an op run by
     the worker (each on a group of its own: a timeout leaves its group unusable), then an op
-    on a group that has already failed."""
-    groups = [dist.new_group([0, 1], timeout=datetime.timedelta(seconds=2)) for _ in range(2)]
+    on a group that has already failed. Before that, the barriers that outlast the timeout."""
+    groups = [dist.new_group([0, 1], timeout=datetime.timedelta(seconds=s)) for s in (2, 2, 1)]
+    late = late_host_work(rank, groups[2])
     if rank == 1:
         time.sleep(6)  # outlive both of rank 0's timeouts, then leave without a word
         return None
@@ -646,15 +694,20 @@ def never_arrives(rank, n):
     with pytest.raises(C.CommError) as e:
         C.gather(torch.empty(2), torch.ones(1), 0, group=groups[0])
     errors.append(str(e.value))
-    return errors
+    return errors, cpu_side_deadline(rank), late
 
 
 def test_timeout_names_whom_it_waited_for():
-    sync, worker, again = spawn(never_arrives, 2, timeout=60)[0]
+    (sync, worker, again), (barrier, stats), (by_store, by_gloo, store_timeout) = spawn(never_arrives, 2, timeout=60)[0]
     assert sync.startswith("rank 0: all_reduce on ranks [0, 1] timed out waiting for rank 1 (recv 4096 bytes): "), sync
     assert worker.startswith("rank 0: broadcast on ranks [0, 1] timed out waiting for rank 1 (recv 24 bytes): "), worker
     assert again.startswith("rank 0: gather on ranks [0, 1] ") and "rank 1 (recv 4 bytes)" in again, again
-    assert all("\n" not in m and len(m) < 300 for m in (sync, worker, again)), "one line each"
+    assert barrier.startswith("rank 0: barrier on ranks [0, 1] timed out waiting for rank 1 (recv 4 bytes): "), barrier
+    assert stats.startswith("rank 0: gather_stats on ranks [0, 1] timed out waiting for rank 1 (recv 8 bytes): "), stats
+    assert by_store > 1.5 and by_gloo > 1.5, "a barrier let rank 0 go before rank 1 arrived"
+    assert store_timeout.startswith("rank 0: barrier on ranks [0, 1] timed out after 0.5 s waiting for rank 1"), store_timeout
+    messages = (sync, worker, again, barrier, stats, store_timeout)
+    assert all("\n" not in m and len(m) < 300 for m in messages), "one line each"
 
 
 def test_init_distributed_timeout(monkeypatch):
@@ -674,6 +727,18 @@ def test_init_distributed_timeout(monkeypatch):
         C.shutdown()  # no group really made: nothing to destroy
     common = dict(store=("attempt2/", store), rank=0, world_size=1)
     assert calls == [(("gloo",), dict(timeout=datetime.timedelta(seconds=3), **common)), (("gloo",), common)], calls
+    # on NCCL the watchdog's deadline (the group's timeout) comes a grace period after ours
+    calls.clear()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    try:
+        C.init_distributed(timeout_s=3)
+        assert C._timeout_s == 3 and C._store == ("attempt2/", store)
+    finally:
+        C.shutdown()
+    assert calls == [(("nccl",), dict(device_id=torch.device("cuda", 0), **common,
+                                      timeout=datetime.timedelta(seconds=3 + C.NCCL_GRACE_S)))], calls
+    assert C._timeout_s is None and C._store is None
 
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "reduce", "scatter", "gather")
