@@ -1,44 +1,31 @@
 """
-Collectives by hand: broadcast, reduce, all_reduce, scatter, gather, all_gather,
-reduce_scatter and all_to_all on nothing but point-to-point messages (isend/irecv,
+Collectives by hand, on nothing but point-to-point messages (isend/irecv, each step's
 posted together with batch_isend_irecv). The signatures mirror torch.distributed's
-tensor forms, so `C.all_reduce(t)` and `dist.all_reduce(t)` can be swapped and compared.
+tensor forms, so `C.all_reduce(t)` and `dist.all_reduce(t)` can be swapped and compared:
 
-    init_distributed(timeout_s=None) -> (rank, world_size, local_rank, device)
-    shutdown()
-    get_rank(group=None), get_world_size(group=None), group_ranks(group=None) -> [global ranks]
-    new_group(ranks) -> the group on its members, None elsewhere
-    broadcast(tensor, src, group=None, async_op=False)
-    reduce(tensor, dst, op="sum", group=None, async_op=False)
-    all_reduce(tensor, op="sum", group=None, async_op=False)
-    reduce_scatter(output, input, op="sum", group=None, async_op=False)
-    all_gather(output, input, group=None, async_op=False)
-    scatter(output, input, src, group=None, async_op=False)
-    gather(output, input, dst, group=None, async_op=False)
-    all_to_all(output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False)
-    send(tensor, dst, group=None, async_op=False), recv(tensor, src, group=None, async_op=False)
-    sendrecv(send_tensor, dst, recv_tensor, src, group=None, async_op=False)
-        the pipeline's primitive: a send and a receive posted together, as MPI_Sendrecv
-    barrier(group=None), gather_stats(values, group=None) -> {name: [value of each rank]}
-    bytes_sent(group=None), bytes_by_op(), bytes_by_group(), reset_bytes(), untracked()
-    CommError: a wait that failed, naming the ranks it was waiting for
+    broadcast(tensor, src), reduce(tensor, dst, op="sum"), all_reduce(tensor, op="sum")
+    reduce_scatter(output, input, op="sum"), all_gather(output, input)
+    scatter(output, input, src), gather(output, input, dst)
+    all_to_all(output, input, output_split_sizes=None, input_split_sizes=None)
+    send(tensor, dst), recv(tensor, src), sendrecv(send_tensor, dst, recv_tensor, src)
+    barrier(group=None, timeout_s=None), gather_stats({name: number}, group=None)
 
-src/dst are GLOBAL ranks; group None is the whole world; op is "sum", "avg", "max", "min"
-or a dist.ReduceOp; avg is sum then divide, and is refused (ValueError) for integer
-tensors rather than rounded. async_op=True returns a handle with wait() and is_completed().
-
-Costs below are in the alpha-beta model (the README's "The numbers behind the strategies";
-the ring and tree algorithms and their costs are those of Thakur, Rabenseifner & Gropp,
-"Optimization of Collective Communication Operations in MPICH", 2005): a message of S bytes
-costs alpha + S/beta, reducing S bytes costs S*gamma, N is the number of ranks.
+Each takes group=None (the whole world) and, but the last two, async_op=False (True: a
+handle with wait() and is_completed()). src/dst are GLOBAL ranks; op is "sum", "avg",
+"max", "min" or a dist.ReduceOp (avg is sum then divide, refused for integer tensors).
+Below the fence: init_distributed(timeout_s=None) -> (rank, world_size, local_rank,
+device), shutdown(), get_rank/get_world_size/group_ranks(group=None), new_group(ranks);
+bytes_sent(group=None), bytes_by_op(), bytes_by_group(), reset_bytes(), untracked();
+CommError, a wait that failed, naming the ranks it was waiting for.
 
 Every algorithm is a list of steps (sends, recvs, then): post the step's messages
 together, wait for them, call then() (say, add what arrived). _run is the one place that
-posts messages, and it may keep several steps on the wire at once: that is how the
-rings overlap the wire with the adder.
-
-bench/collectives_bench.py times each one against the built-in
-(`torchrun --nproc_per_node=4 bench/collectives_bench.py`).
+posts messages, and it keeps several steps on the wire at once: that is how the rings
+overlap the wire with the adder. Costs are in the alpha-beta model (Thakur, Rabenseifner &
+Gropp, "Optimization of Collective Communication Operations in MPICH", 2005; the README's
+"The numbers behind the strategies"): a message of S bytes costs alpha + S/beta, reducing
+S bytes costs S*gamma, N is the number of ranks. bench/collectives_bench.py times each
+one against the built-in (`torchrun --nproc_per_node=4 bench/collectives_bench.py`).
 """
 import atexit
 import contextlib
@@ -63,6 +50,441 @@ SMALL_ALL_REDUCE_BYTES = 64 << 10  # all_reduce below this size: tree reduce + t
 LARGE_REDUCE_BYTES = 32 << 20      # reduce from this size on: ring reduce-scatter + gather
 SEGMENT_BYTES = 4 << 20            # rings cut each chunk into segments of at most this size
 PIPELINE_DEPTH = 2                 # and keep this many in flight: one moves while one is reduced
+
+# ----------------------------------------------------------------------------- the ring
+
+# A ring all-reduce is a reduce-scatter, then an all-gather, N-1 steps each. Cut the data
+# in N chunks; every rank sends to its right neighbour and receives from its left.
+# Reduce-scatter: in step s rank r passes its partial sum of chunk r-s-1 to the right and
+# adds the partial of chunk r-s-2 arriving from the left; after N-1 steps rank r holds
+# chunk r summed over all. All-gather: rank r starts with chunk r; in step s it forwards
+# chunk r-s to the right and receives chunk r-s-1 from the left straight into place.
+# Each half costs (N-1)alpha + (N-1)/N S/beta (the reduce-scatter + (N-1)/N S gamma):
+# each rank sends (N-1)/N S, the least possible, since it must receive that much it does
+# not have; but the alphas grow with N.
+
+def _ring_all_reduce(flat, me, n, left, right, combine):
+    """-> (steps, depth): 2(N-1)alpha + 2(N-1)/N S/beta, as one pipeline (the all-gather
+    starts while the last sums finish)."""
+    rs, depth = _ring_reduce_scatter(flat, me, n, left, right, combine)
+    ag, _ = _ring_all_gather(_pieces(flat, n), me, n, left, right)
+    return rs + ag, depth
+
+
+def _ring_reduce_scatter(src, me, n, left, right, combine, mine=None):
+    """-> (steps, depth). Rank me ends with chunk me reduced: in place in src if mine is None
+    (all_reduce), else src is only read, partials pass through two scratch chunks and the
+    result lands in `mine`."""
+    chunks = _pieces(src, n)
+    if mine is None:
+        out = lambda s, c: chunks[c]  # noqa: E731
+    else:
+        scratch = [torch.empty_like(chunks[0]) for _ in range(min(2, n - 2))]
+        out = lambda s, c: mine if s == n - 2 else scratch[s % 2][:chunks[c].numel()]  # noqa: E731
+    nseg, depth = _segments(chunks[0])
+    tmps = [torch.empty_like(_pieces(chunks[0], nseg)[0]) for _ in range(depth)]  # what arrives
+    steps = []
+    for s in range(n - 1):
+        c_send, c_recv = (me - s - 1) % n, (me - s - 2) % n
+        send = chunks[c_send] if s == 0 else out(s - 1, c_send)
+        for a, b, o in _segmented(nseg, send, chunks[c_recv], out(s, c_recv)):
+            tmp = tmps[len(steps) % depth][:b.numel()]
+            steps.append(([(a, right)], [(tmp, left)], functools.partial(combine, b, tmp, out=o)))
+    return steps, depth
+
+
+def _ring_all_gather(chunks, me, n, left, right):
+    """-> (steps, depth). chunks[me] holds this rank's part; the others fill in place."""
+    nseg, depth = _segments(chunks[0])
+    steps = [([(a, right)], [(b, left)], None) for s in range(n - 1)
+             for a, b in _segmented(nseg, chunks[(me - s) % n], chunks[(me - s - 1) % n])]
+    return steps, depth
+
+
+# Segmentation, as gloo's own ring does it: each chunk is cut into segments, and while one
+# is being added the next is on the wire, about max(wire, adder) instead of their sum, for
+# more alphas. Measured here: 4 MB segments. Smaller ones lost, as each costs ~0.2 ms of
+# CPU (Python, gloo's handshake, wake-ups), and 4 ranks on 2 cores have no idle wire to
+# overlap with; at 2 ranks (a core each) splitting a 8 MB chunk in two won ~15%.
+
+def _segments(chunk):
+    """-> (segments per chunk, steps kept in flight) for chunks the size of `chunk` (the
+    first, the largest). depth <= segments: a step then only sends a partial that a then()
+    at least depth steps earlier finished."""
+    nseg = max(1, -(-chunk.numel() * chunk.element_size() // SEGMENT_BYTES))
+    return nseg, min(PIPELINE_DEPTH, nseg)
+
+
+def _segmented(nseg, *chunks):
+    """The chunks cut into nseg segments each, zipped: segment i of every chunk together."""
+    return zip(*(_pieces(c, nseg) for c in chunks))
+
+
+def _pieces(t, parts):
+    """Cut flat t into `parts` contiguous views whose sizes differ by at most one element."""
+    q, r = divmod(t.numel(), parts)
+    starts = [i * q + min(i, r) for i in range(parts + 1)]
+    return [t[starts[i]:starts[i + 1]] for i in range(parts)]
+
+# ----------------------------------------------------------------------------- trees, root to all, all to all
+
+# Binomial trees, numbered from the root (v = my distance from it). Broadcast: in the round
+# of `mask` the ranks v < mask, which have the data, send it to v + mask, so the holders
+# double each round: ceil(log2 N) rounds of (alpha + S/beta), N-1 messages of S in all.
+# Few alphas, so trees win for small S. (For a huge S on many ranks, scatter + ring
+# all-gather, ~2 S/beta, beats log2(N) S/beta; at N=4 here it lost, so broadcast stays a tree.)
+
+def _tree_broadcast(buf, root, me, n, ranks):
+    v, steps, mask = (me - root) % n, [], 1
+    while mask < n:
+        if v < mask and v + mask < n:
+            steps.append(([(buf, ranks[(root + v + mask) % n])], [], None))
+        elif mask <= v < 2 * mask:
+            steps.append(([], [(buf, ranks[(root + v - mask) % n])], None))
+        mask <<= 1
+    return steps
+
+
+# Reduce is that tree run backwards: in round `mask` a rank with bit `mask` set hands the
+# partial of its subtree to v - mask and is done; the others add the partial of v + mask.
+# ceil(log2 N) rounds of (alpha + S/beta + S gamma), all the adding on the way to the root.
+
+def _tree_reduce(src, root, me, n, ranks, combine, acc=None):
+    """Partials go to acc (allocated if None and needed), src is only read."""
+    v, steps, mask, tmp = (me - root) % n, [], 1, None
+    while mask < n:
+        if v & mask:
+            steps.append(([(src if tmp is None else acc, ranks[(root + v - mask) % n])], [], None))
+            break
+        if v + mask < n:
+            first = tmp is None
+            if first:
+                tmp = torch.empty_like(src)
+                acc = torch.empty_like(src) if acc is None else acc
+            steps.append(([], [(tmp, ranks[(root + v + mask) % n])],
+                          functools.partial(combine, src if first else acc, tmp, out=acc)))
+        mask <<= 1
+    return steps
+
+
+# Scatter and gather: the root talks to each rank directly, all messages in one step.
+# (N-1)alpha + (N-1)/N S/beta, all on the root's link, which has to carry (N-1)/N S
+# whatever the algorithm: a tree would only save alphas.
+
+def _scatter_step(pieces, mine, root, me, ranks):
+    if me == root:
+        return [(p, ranks[i]) for i, p in enumerate(pieces) if i != me], [], None
+    return [], [(mine, ranks[root])], None
+
+
+def _gather_step(pieces, mine, root, me, ranks):
+    if me == root:
+        return [], [(p, ranks[i]) for i, p in enumerate(pieces) if i != me], None
+    return [(mine, ranks[root])], [], None
+
+
+# Pairwise exchange (all-to-all): in step k rank r sends to r+k and receives from r-k, so
+# every rank has one partner each way per step and no link is oversubscribed:
+# (N-1)(alpha + S/N/beta) for equal splits. The steps are independent, so all of them can
+# go on the wire at once.
+
+def _pairwise_exchange(send, recv, me, n, ranks):
+    """send[j]: the piece for rank j; recv[j]: where rank j's piece lands (recv[me] is ours)."""
+    return [([(send[(me + k) % n], ranks[(me + k) % n])], [(recv[(me - k) % n], ranks[(me - k) % n])], None)
+            for k in range(1, n)]
+
+# ----------------------------------------------------------------------------- the collectives
+
+def all_reduce(tensor, op="sum", group=None, async_op=False):
+    """The ring: 2(N-1)alpha + 2(N-1)/N S/beta. For a small S the 2(N-1) alphas dominate, so
+    there: tree reduce to rank 0 + tree broadcast, 2 log2(N) alphas."""
+    me, n, ranks = _members(group)
+    op = _op(op, tensor.dtype)
+
+    def fn():
+        flat = _flat(tensor)
+        if flat.numel() * flat.element_size() < SMALL_ALL_REDUCE_BYTES or flat.numel() < n:
+            _run(_tree_reduce(flat, 0, me, n, ranks, _COMBINE[op], flat), group)
+            _run(_tree_broadcast(flat, 0, me, n, ranks), group)
+        else:
+            steps, depth = _ring_all_reduce(flat, me, n, ranks[(me - 1) % n], ranks[(me + 1) % n], _COMBINE[op])
+            _run(steps, group, depth)
+        if op == "avg":
+            flat.div_(n)
+        _copy_back(tensor, flat)
+    return _launch("all_reduce", fn, async_op, tensor.device, group)
+
+
+def reduce_scatter(output, input, op="sum", group=None, async_op=False):
+    """As dist.reduce_scatter_tensor: input has N * output elements; rank i gets chunk i reduced."""
+    me, n, ranks = _members(group)
+    op = _op(op, input.dtype)
+    _check_pair(output, input, output.numel() * n, input.numel(), "reduce_scatter (input = world_size * output)")
+
+    def fn():
+        out, src = _flat(output), _flat(input)
+        steps, depth = _ring_reduce_scatter(src, me, n, ranks[(me - 1) % n], ranks[(me + 1) % n], _COMBINE[op], out)
+        _run(steps, group, depth)
+        if n == 1:
+            out.copy_(src)
+        if op == "avg":
+            out.div_(n)
+        _copy_back(output, out)
+    return _launch("reduce_scatter", fn, async_op, input.device, group)
+
+
+def all_gather(output, input, group=None, async_op=False):
+    """As dist.all_gather_into_tensor: output has N * input elements, rank-major."""
+    me, n, ranks = _members(group)
+    _check_pair(output, input, output.numel(), input.numel() * n, "all_gather (output = world_size * input)")
+
+    def fn():
+        out = _flat(output)
+        chunks = _pieces(out, n)
+        chunks[me].copy_(input.reshape(-1))
+        steps, depth = _ring_all_gather(chunks, me, n, ranks[(me - 1) % n], ranks[(me + 1) % n])
+        _run(steps, group, depth)
+        _copy_back(output, out)
+    return _launch("all_gather", fn, async_op, input.device, group)
+
+
+def broadcast(tensor, src, group=None, async_op=False):
+    me, n, ranks = _members(group)
+    root = _index_of(src, ranks, "src")
+
+    def fn():
+        flat = _flat(tensor)
+        _run(_tree_broadcast(flat, root, me, n, ranks), group)
+        _copy_back(tensor, flat)
+    return _launch("broadcast", fn, async_op, tensor.device, group)
+
+
+def reduce(tensor, dst, op="sum", group=None, async_op=False):
+    """Result on dst; the other ranks' tensors are left as they were (partials go to scratch).
+    Large S: ring reduce-scatter + gather (Rabenseifner), so that every rank does 1/N of the
+    adding and the root receives (N-1)/N S instead of ceil(log2 N) S."""
+    me, n, ranks = _members(group)
+    root, op = _index_of(dst, ranks, "dst"), _op(op, tensor.dtype)
+
+    def fn():
+        flat = _flat(tensor)
+        if flat.numel() * flat.element_size() < LARGE_REDUCE_BYTES or flat.numel() < n:
+            _run(_tree_reduce(flat, root, me, n, ranks, _COMBINE[op], flat if me == root else None), group)
+        else:
+            chunks = _pieces(flat, n)
+            mine = chunks[me] if me == root else torch.empty_like(chunks[me])
+            steps, depth = _ring_reduce_scatter(flat, me, n, ranks[(me - 1) % n], ranks[(me + 1) % n],
+                                                _COMBINE[op], mine)
+            _run(steps, group, depth)
+            _run([_gather_step(chunks, mine, root, me, ranks)], group)
+        if me == root:
+            if op == "avg":
+                flat.div_(n)
+            _copy_back(tensor, flat)
+    return _launch("reduce", fn, async_op, tensor.device, group)
+
+
+def scatter(output, input, src, group=None, async_op=False):
+    """Piece i of src's input (N * output elements; None elsewhere) lands in rank i's output."""
+    me, n, ranks = _members(group)
+    root = _index_of(src, ranks, "src")
+    _check(me != root or input is not None, "scatter: input is required on src")
+    if input is not None:  # checked wherever it is given, not only on src
+        _check_pair(output, input, output.numel() * n, input.numel(), "scatter (input = world_size * output)")
+
+    def fn():
+        out, pieces = _flat(output), None
+        if me == root:
+            pieces = _pieces(_flat(input), n)
+            out.copy_(pieces[me])
+        _run([_scatter_step(pieces, out, root, me, ranks)], group)
+        _copy_back(output, out)
+    return _launch("scatter", fn, async_op, output.device, group)
+
+
+def gather(output, input, dst, group=None, async_op=False):
+    """Rank i's input lands in piece i of dst's output (N * input elements; None elsewhere)."""
+    me, n, ranks = _members(group)
+    root = _index_of(dst, ranks, "dst")
+    _check(me != root or output is not None, "gather: output is required on dst")
+    if output is not None:
+        _check_pair(output, input, output.numel(), input.numel() * n, "gather (output = world_size * input)")
+
+    def fn():
+        out = pieces = None
+        if me == root:
+            out = _flat(output)
+            pieces = _pieces(out, n)
+            pieces[me].copy_(input.reshape(-1))
+        _run([_gather_step(pieces, _flat(input), root, me, ranks)], group)
+        if me == root:
+            _copy_back(output, out)
+    return _launch("gather", fn, async_op, input.device, group)
+
+
+def _rows(t):
+    return t.shape[0] if t.dim() else 1
+
+
+def _split_sizes(sizes, t, n, what):
+    """-> the rows of t going to (input) or coming from (output) each rank, checked."""
+    if sizes is None:
+        _check(_rows(t) % n == 0, f"all_to_all: dim 0 of the {what} ({_rows(t)}) does not split equally into {n} ranks")
+        return [_rows(t) // n] * n
+    try:
+        sizes = [operator.index(s) for s in sizes]
+    except TypeError:
+        raise ValueError(f"all_to_all: {what}_split_sizes must be whole numbers, got {sizes}") from None
+    _check(len(sizes) == n, f"all_to_all: {what}_split_sizes has {len(sizes)} entries for {n} ranks")
+    _check(min(sizes) >= 0, f"all_to_all: negative {what}_split_sizes {sizes}")
+    _check(sum(sizes) == _rows(t), f"all_to_all: {what}_split_sizes {sizes} do not add up to dim 0 ({_rows(t)})")
+    return sizes
+
+
+def _row_pieces(flat, sizes, row):
+    """Cut flat into consecutive views of sizes[i] rows of `row` elements."""
+    ends = [0]
+    for s in sizes:
+        ends.append(ends[-1] + s * row)
+    return [flat[ends[i]:ends[i + 1]] for i in range(len(sizes))]
+
+
+def all_to_all(output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):
+    """As dist.all_to_all_single: input's dim 0 is cut into input_split_sizes[i] rows for rank
+    i (None: N equal parts), and what rank j sends lands in output's part j, cut the same way
+    by output_split_sizes. The rows rank i sends rank j must be the rows rank j expects from
+    rank i: checking that would cost a message, so a mismatch times out (CommError).
+    The pairwise exchange, every step on the wire at once."""
+    me, n, ranks = _members(group)
+    _check(output.dtype == input.dtype, f"all_to_all: output dtype {output.dtype} != input dtype {input.dtype}")
+    _check(output.device == input.device, "all_to_all: output and input are on different devices")
+    _check(output.shape[1:] == input.shape[1:],
+           f"all_to_all: rows of different shapes ({tuple(output.shape[1:])} vs {tuple(input.shape[1:])})")
+    outs = _split_sizes(output_split_sizes, output, n, "output")
+    ins = _split_sizes(input_split_sizes, input, n, "input")
+    _check(ins[me] == outs[me], f"all_to_all: this rank sends itself {ins[me]} rows but expects {outs[me]}")
+    row = math.prod(input.shape[1:])
+
+    def fn():
+        out = _flat(output)
+        send, recv = _row_pieces(_flat(input), ins, row), _row_pieces(out, outs, row)
+        recv[me].copy_(send[me])
+        # _post skips an empty piece; the peer's matching piece is empty too, so it skips the
+        # receive: no empty messages, and the two sides still pair up
+        _run(_pairwise_exchange(send, recv, me, n, ranks), group, max(1, n - 1))
+        _copy_back(output, out)
+    return _launch("all_to_all", fn, async_op, input.device, group)
+
+
+def send(tensor, dst, group=None, async_op=False):
+    me, n, ranks = _members(group)
+    _check(_index_of(dst, ranks, "dst") != me, "send: never send to yourself")
+    return _launch("send", lambda: _run([([(_flat(tensor), dst)], [], None)], group), async_op, tensor.device, group)
+
+
+def recv(tensor, src, group=None, async_op=False):
+    me, n, ranks = _members(group)
+    _check(_index_of(src, ranks, "src") != me, "recv: never receive from yourself")
+
+    def fn():
+        flat = _flat(tensor)
+        _run([([], [(flat, src)], None)], group)
+        _copy_back(tensor, flat)
+    return _launch("recv", fn, async_op, tensor.device, group)
+
+
+def sendrecv(send_tensor, dst, recv_tensor, src, group=None, async_op=False):
+    """The pipeline's primitive (and the attention ring's): send send_tensor to dst and receive recv_tensor from src,
+    both posted at once (one batch_isend_irecv: one NCCL group call), as MPI_Sendrecv.
+    Either may be None. Two neighbours that each send to the other before receiving deadlock
+    with blocking send/recv (NCCL, and gloo for large messages, hand a message over only once
+    its receiver has posted); posting each rank's send and receive together cannot."""
+    me, n, ranks = _members(group)
+    if send_tensor is not None:
+        _check(_index_of(dst, ranks, "dst") != me, "sendrecv: never send to yourself")
+    if recv_tensor is not None:
+        _check(_index_of(src, ranks, "src") != me, "sendrecv: never receive from yourself")
+    if send_tensor is None and recv_tensor is None:
+        return None
+
+    def fn():
+        sends = [(_flat(send_tensor), dst)] if send_tensor is not None else []
+        flat = _flat(recv_tensor) if recv_tensor is not None else None
+        _run([(sends, [(flat, src)] if flat is not None else [], None)], group)
+        if flat is not None:
+            _copy_back(recv_tensor, flat)
+    device = (send_tensor if send_tensor is not None else recv_tensor).device
+    return _launch("sendrecv", fn, async_op, device, group)
+
+
+def barrier(group=None, timeout_s=None):
+    """Nobody leaves before everybody has arrived: a tree all_reduce of one element, untracked.
+    Every rank's result depends on every rank having sent, so it cannot finish early; the CPU
+    waits for it (on NCCL too), and a peer that does not come is a CommError after --timeout_s.
+    timeout_s: wait this long instead, for a barrier that waits on host work rather than on
+    communication (rank 0 writing and hashing a checkpoint). NCCL's watchdog would abort any
+    message older than the group's timeout, so that barrier goes through the rendezvous store
+    when init_distributed made the group (without it, NCCL's limit still holds)."""
+    if not _initialized():
+        return
+    me, n, ranks = _members(group)
+    t = torch.zeros(1, device=_comm_device(group))
+
+    def fn():
+        if timeout_s is not None and _store is not None:
+            return _store_barrier(ranks, timeout_s)
+        _run(_tree_reduce(t, 0, me, n, ranks, torch.add, t), group, block=True, timeout_s=timeout_s)
+        _run(_tree_broadcast(t, 0, me, n, ranks), group, block=True, timeout_s=timeout_s)
+    with untracked():
+        _launch("barrier", fn, False, t.device, group)
+
+
+_store_barriers = defaultdict(int)  # the group's global ranks -> store barriers so far
+
+
+def _store_barrier(ranks, timeout_s):
+    """Each rank marks its arrival under a key of its own; the last to arrive opens the door."""
+    key = f"collectives/barrier/{'-'.join(map(str, ranks))}/{_store_barriers[tuple(ranks)]}"
+    _store_barriers[tuple(ranks)] += 1
+    _store.set(f"{key}/{get_rank()}", "1")
+    if _store.add(key, 1) == len(ranks):
+        _store.set(f"{key}/all", "1")
+    try:
+        _store.wait([f"{key}/all"], datetime.timedelta(seconds=timeout_s))
+    except RuntimeError as e:
+        late = ", ".join(f"rank {r}" for r in ranks if not _store.check([f"{key}/{r}"]))
+        raise CommError(f"rank {get_rank()}: barrier on ranks {ranks} timed out after {timeout_s} s "
+                        f"waiting for {late}") from e
+
+
+def gather_stats(values, group=None):
+    """A few numbers from every rank (loss, bytes sent, memory...) gathered to the group's
+    first rank for the log: values is {name: number}, the same names in the same order on
+    every rank. -> {name: [the value on each rank of the group]} there, None elsewhere.
+    Bookkeeping, so its own traffic is not counted; the CPU waits for it (a dead peer is a
+    CommError after --timeout_s, on NCCL too)."""
+    _check(isinstance(values, dict), f"gather_stats: values must be {{name: number}}, not {type(values).__name__}")
+    me, n, ranks = _members(group)
+    if n == 1:  # one rank: nothing to gather, nothing launched
+        return {k: [float(v)] for k, v in values.items()}
+    names, device = list(values), _comm_device(group)
+    mine = torch.tensor([float(values[k]) for k in names], dtype=torch.float64, device=device)
+    rows = torch.empty(n * len(names), dtype=torch.float64, device=device) if me == 0 else None
+
+    def fn():
+        pieces = _pieces(rows, n) if me == 0 else None
+        if me == 0:
+            pieces[0].copy_(mine)
+        _run([_gather_step(pieces, mine, 0, me, ranks)], group, block=True)
+    with untracked():
+        _launch("gather_stats", fn, False, device, group)
+    return dict(zip(names, rows.view(n, len(names)).t().tolist())) if me == 0 else None
+
+
+# =============================================================================================
+# Below the fence: the plumbing. Process groups, byte accounting, the engine that posts a
+# step's messages and waits for them, the async workers, argument checks.
+# =============================================================================================
 
 # ----------------------------------------------------------------------------- process group
 
@@ -321,113 +743,6 @@ def _wait(work, poll, timeout_s):
 def _is_nccl(group):
     return _initialized() and dist.get_backend(_world(group)) == "nccl"
 
-
-def _pieces(t, parts):
-    """Cut flat t into `parts` contiguous views whose sizes differ by at most one element."""
-    q, r = divmod(t.numel(), parts)
-    starts = [i * q + min(i, r) for i in range(parts + 1)]
-    return [t[starts[i]:starts[i + 1]] for i in range(parts)]
-
-# ----------------------------------------------------------------------------- algorithms
-
-# Ring reduce-scatter: cut the data in N chunks. In step s rank r passes its partial sum
-# of chunk r-s-1 to the right and adds the partial of chunk r-s-2 arriving from the left;
-# after N-1 steps rank r holds chunk r summed over all. Cost (N-1)alpha + (N-1)/N S/beta
-# + (N-1)/N S gamma: each rank sends (N-1)/N S, the least possible, since it must receive
-# that much it does not have; but the alphas grow with N.
-# Pipelining, as gloo's own ring does it: chunks are cut into segments and while one is
-# being added the next is on the wire, about max(wire, adder) instead of their sum, for
-# more alphas. Measured here: 4 MB segments. Smaller ones lost, as each costs ~0.2 ms of
-# CPU (Python, gloo's handshake, wake-ups), and 4 ranks on 2 cores have no idle wire to
-# overlap with; at 2 ranks (a core each) splitting a 8 MB chunk in two won ~15%.
-
-def _ring_reduce_scatter(src, me, n, left, right, combine, mine=None):
-    """-> (steps, depth). Rank me ends with chunk me reduced: in place in src if mine is None
-    (all_reduce), else src is only read, partials pass through two scratch chunks and the
-    result lands in `mine`."""
-    chunks = _pieces(src, n)
-    if mine is None:
-        out = lambda s, c: chunks[c]  # noqa: E731
-    else:
-        scratch = [torch.empty_like(chunks[0]) for _ in range(min(2, n - 2))]
-        out = lambda s, c: mine if s == n - 2 else scratch[s % 2][:chunks[c].numel()]  # noqa: E731
-    nseg = max(1, -(-chunks[0].numel() * src.element_size() // SEGMENT_BYTES))
-    depth = min(PIPELINE_DEPTH, nseg)
-    tmps = [torch.empty_like(_pieces(chunks[0], nseg)[0]) for _ in range(depth)]
-    steps = []
-    for s in range(n - 1):
-        c_send, c_recv = (me - s - 1) % n, (me - s - 2) % n
-        send = chunks[c_send] if s == 0 else out(s - 1, c_send)
-        for a, b, o in zip(_pieces(send, nseg), _pieces(chunks[c_recv], nseg), _pieces(out(s, c_recv), nseg)):
-            tmp = tmps[len(steps) % depth][:b.numel()]
-            steps.append(([(a, right)], [(tmp, left)], functools.partial(combine, b, tmp, out=o)))
-    return steps, depth
-
-
-# Ring all-gather: rank r starts with chunk r; in step s it forwards chunk r-s to the right
-# and receives chunk r-s-1 from the left straight into place. (N-1)alpha + (N-1)/N S/beta.
-
-def _ring_all_gather(chunks, me, n, left, right):
-    nseg = max(1, -(-chunks[0].numel() * chunks[0].element_size() // SEGMENT_BYTES))
-    steps = [([(a, right)], [(b, left)], None) for s in range(n - 1)
-             for a, b in zip(_pieces(chunks[(me - s) % n], nseg), _pieces(chunks[(me - s - 1) % n], nseg))]
-    return steps, min(PIPELINE_DEPTH, nseg)
-
-
-# Binomial trees, numbered from the root (v = my distance from it). Broadcast: in the round
-# of `mask` the ranks v < mask, which have the data, send it to v + mask, so the holders
-# double each round: ceil(log2 N) rounds of (alpha + S/beta), N-1 messages of S in all.
-# Few alphas, so trees win for small S. (For a huge S on many ranks, scatter + ring
-# all-gather, ~2 S/beta, beats log2(N) S/beta; at N=4 here it lost, so broadcast stays a tree.)
-
-def _tree_broadcast(buf, root, me, n, ranks):
-    v, steps, mask = (me - root) % n, [], 1
-    while mask < n:
-        if v < mask and v + mask < n:
-            steps.append(([(buf, ranks[(root + v + mask) % n])], [], None))
-        elif mask <= v < 2 * mask:
-            steps.append(([], [(buf, ranks[(root + v - mask) % n])], None))
-        mask <<= 1
-    return steps
-
-
-# Reduce is that tree run backwards: in round `mask` a rank with bit `mask` set hands the
-# partial of its subtree to v - mask and is done; the others add the partial of v + mask.
-# ceil(log2 N) rounds of (alpha + S/beta + S gamma), all the adding on the way to the root.
-
-def _tree_reduce(src, root, me, n, ranks, combine, acc=None):
-    """Partials go to acc (allocated if None and needed), src is only read."""
-    v, steps, mask, tmp = (me - root) % n, [], 1, None
-    while mask < n:
-        if v & mask:
-            steps.append(([(src if tmp is None else acc, ranks[(root + v - mask) % n])], [], None))
-            break
-        if v + mask < n:
-            first = tmp is None
-            if first:
-                tmp = torch.empty_like(src)
-                acc = torch.empty_like(src) if acc is None else acc
-            steps.append(([], [(tmp, ranks[(root + v + mask) % n])],
-                          functools.partial(combine, src if first else acc, tmp, out=acc)))
-        mask <<= 1
-    return steps
-
-
-# Scatter and gather: the root talks to each rank directly, all messages in one step.
-# (N-1)alpha + (N-1)/N S/beta, all on the root's link, which has to carry (N-1)/N S
-# whatever the algorithm: a tree would only save alphas.
-
-def _scatter_step(pieces, mine, root, me, ranks):
-    if me == root:
-        return [(p, ranks[i]) for i, p in enumerate(pieces) if i != me], [], None
-    return [], [(mine, ranks[root])], None
-
-
-def _gather_step(pieces, mine, root, me, ranks):
-    if me == root:
-        return [], [(p, ranks[i]) for i, p in enumerate(pieces) if i != me], None
-    return [(mine, ranks[root])], [], None
-
 # ----------------------------------------------------------------------------- async
 
 # One worker thread and one queue per process group run that group's submitted ops in FIFO
@@ -608,296 +923,3 @@ def _flat(t):
 def _copy_back(t, flat):
     if not t.is_contiguous():
         t.copy_(flat.view(t.shape))
-
-# ----------------------------------------------------------------------------- the collectives
-
-
-def send(tensor, dst, group=None, async_op=False):
-    me, n, ranks = _members(group)
-    _check(_index_of(dst, ranks, "dst") != me, "send: never send to yourself")
-    return _launch("send", lambda: _run([([(_flat(tensor), dst)], [], None)], group), async_op, tensor.device, group)
-
-
-def recv(tensor, src, group=None, async_op=False):
-    me, n, ranks = _members(group)
-    _check(_index_of(src, ranks, "src") != me, "recv: never receive from yourself")
-
-    def fn():
-        flat = _flat(tensor)
-        _run([([], [(flat, src)], None)], group)
-        _copy_back(tensor, flat)
-    return _launch("recv", fn, async_op, tensor.device, group)
-
-
-def broadcast(tensor, src, group=None, async_op=False):
-    me, n, ranks = _members(group)
-    root = _index_of(src, ranks, "src")
-
-    def fn():
-        flat = _flat(tensor)
-        _run(_tree_broadcast(flat, root, me, n, ranks), group)
-        _copy_back(tensor, flat)
-    return _launch("broadcast", fn, async_op, tensor.device, group)
-
-
-def reduce(tensor, dst, op="sum", group=None, async_op=False):
-    """Result on dst; the other ranks' tensors are left as they were (partials go to scratch).
-    Large S: ring reduce-scatter + gather (Rabenseifner), so that every rank does 1/N of the
-    adding and the root receives (N-1)/N S instead of ceil(log2 N) S."""
-    me, n, ranks = _members(group)
-    root, op = _index_of(dst, ranks, "dst"), _op(op, tensor.dtype)
-
-    def fn():
-        flat = _flat(tensor)
-        if flat.numel() * flat.element_size() < LARGE_REDUCE_BYTES or flat.numel() < n:
-            _run(_tree_reduce(flat, root, me, n, ranks, _COMBINE[op], flat if me == root else None), group)
-        else:
-            chunks = _pieces(flat, n)
-            mine = chunks[me] if me == root else torch.empty_like(chunks[me])
-            steps, depth = _ring_reduce_scatter(flat, me, n, ranks[(me - 1) % n], ranks[(me + 1) % n],
-                                                _COMBINE[op], mine)
-            _run(steps, group, depth)
-            _run([_gather_step(chunks, mine, root, me, ranks)], group)
-        if me == root:
-            if op == "avg":
-                flat.div_(n)
-            _copy_back(tensor, flat)
-    return _launch("reduce", fn, async_op, tensor.device, group)
-
-
-def all_reduce(tensor, op="sum", group=None, async_op=False):
-    """Ring reduce-scatter, then ring all-gather: 2(N-1)alpha + 2(N-1)/N S/beta. For a small S
-    the 2(N-1) alphas dominate, so there: tree reduce to rank 0 + tree broadcast, 2 log2(N)."""
-    me, n, ranks = _members(group)
-    op = _op(op, tensor.dtype)
-
-    def fn():
-        flat = _flat(tensor)
-        if flat.numel() * flat.element_size() < SMALL_ALL_REDUCE_BYTES or flat.numel() < n:
-            _run(_tree_reduce(flat, 0, me, n, ranks, _COMBINE[op], flat), group)
-            _run(_tree_broadcast(flat, 0, me, n, ranks), group)
-        else:
-            left, right = ranks[(me - 1) % n], ranks[(me + 1) % n]
-            rs, depth = _ring_reduce_scatter(flat, me, n, left, right, _COMBINE[op])
-            ag, _ = _ring_all_gather(_pieces(flat, n), me, n, left, right)
-            _run(rs + ag, group, depth)  # one pipeline: the all-gather starts as the last sums finish
-        if op == "avg":
-            flat.div_(n)
-        _copy_back(tensor, flat)
-    return _launch("all_reduce", fn, async_op, tensor.device, group)
-
-
-def reduce_scatter(output, input, op="sum", group=None, async_op=False):
-    """As dist.reduce_scatter_tensor: input has N * output elements; rank i gets chunk i reduced."""
-    me, n, ranks = _members(group)
-    op = _op(op, input.dtype)
-    _check_pair(output, input, output.numel() * n, input.numel(), "reduce_scatter (input = world_size * output)")
-
-    def fn():
-        out, src = _flat(output), _flat(input)
-        steps, depth = _ring_reduce_scatter(src, me, n, ranks[(me - 1) % n], ranks[(me + 1) % n], _COMBINE[op], out)
-        _run(steps, group, depth)
-        if n == 1:
-            out.copy_(src)
-        if op == "avg":
-            out.div_(n)
-        _copy_back(output, out)
-    return _launch("reduce_scatter", fn, async_op, input.device, group)
-
-
-def all_gather(output, input, group=None, async_op=False):
-    """As dist.all_gather_into_tensor: output has N * input elements, rank-major."""
-    me, n, ranks = _members(group)
-    _check_pair(output, input, output.numel(), input.numel() * n, "all_gather (output = world_size * input)")
-
-    def fn():
-        out = _flat(output)
-        chunks = _pieces(out, n)
-        chunks[me].copy_(input.reshape(-1))
-        steps, depth = _ring_all_gather(chunks, me, n, ranks[(me - 1) % n], ranks[(me + 1) % n])
-        _run(steps, group, depth)
-        _copy_back(output, out)
-    return _launch("all_gather", fn, async_op, input.device, group)
-
-
-def scatter(output, input, src, group=None, async_op=False):
-    """Piece i of src's input (N * output elements; None elsewhere) lands in rank i's output."""
-    me, n, ranks = _members(group)
-    root = _index_of(src, ranks, "src")
-    _check(me != root or input is not None, "scatter: input is required on src")
-    if input is not None:  # checked wherever it is given, not only on src
-        _check_pair(output, input, output.numel() * n, input.numel(), "scatter (input = world_size * output)")
-
-    def fn():
-        out, pieces = _flat(output), None
-        if me == root:
-            pieces = _pieces(_flat(input), n)
-            out.copy_(pieces[me])
-        _run([_scatter_step(pieces, out, root, me, ranks)], group)
-        _copy_back(output, out)
-    return _launch("scatter", fn, async_op, output.device, group)
-
-
-def gather(output, input, dst, group=None, async_op=False):
-    """Rank i's input lands in piece i of dst's output (N * input elements; None elsewhere)."""
-    me, n, ranks = _members(group)
-    root = _index_of(dst, ranks, "dst")
-    _check(me != root or output is not None, "gather: output is required on dst")
-    if output is not None:
-        _check_pair(output, input, output.numel(), input.numel() * n, "gather (output = world_size * input)")
-
-    def fn():
-        out = pieces = None
-        if me == root:
-            out = _flat(output)
-            pieces = _pieces(out, n)
-            pieces[me].copy_(input.reshape(-1))
-        _run([_gather_step(pieces, _flat(input), root, me, ranks)], group)
-        if me == root:
-            _copy_back(output, out)
-    return _launch("gather", fn, async_op, input.device, group)
-
-
-def _rows(t):
-    return t.shape[0] if t.dim() else 1
-
-
-def _split_sizes(sizes, t, n, what):
-    """-> the rows of t going to (input) or coming from (output) each rank, checked."""
-    if sizes is None:
-        _check(_rows(t) % n == 0, f"all_to_all: dim 0 of the {what} ({_rows(t)}) does not split equally into {n} ranks")
-        return [_rows(t) // n] * n
-    try:
-        sizes = [operator.index(s) for s in sizes]
-    except TypeError:
-        raise ValueError(f"all_to_all: {what}_split_sizes must be whole numbers, got {sizes}") from None
-    _check(len(sizes) == n, f"all_to_all: {what}_split_sizes has {len(sizes)} entries for {n} ranks")
-    _check(min(sizes) >= 0, f"all_to_all: negative {what}_split_sizes {sizes}")
-    _check(sum(sizes) == _rows(t), f"all_to_all: {what}_split_sizes {sizes} do not add up to dim 0 ({_rows(t)})")
-    return sizes
-
-
-def _row_pieces(flat, sizes, row):
-    """Cut flat into consecutive views of sizes[i] rows of `row` elements."""
-    ends = [0]
-    for s in sizes:
-        ends.append(ends[-1] + s * row)
-    return [flat[ends[i]:ends[i + 1]] for i in range(len(sizes))]
-
-
-def all_to_all(output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):
-    """As dist.all_to_all_single: input's dim 0 is cut into input_split_sizes[i] rows for rank
-    i (None: N equal parts), and what rank j sends lands in output's part j, cut the same way
-    by output_split_sizes. The rows rank i sends rank j must be the rows rank j expects from
-    rank i: checking that would cost a message, so a mismatch times out (CommError).
-    Pairwise exchange: in step k rank r sends to r+k and receives from r-k, so every rank has
-    one partner each way per step and no link is oversubscribed: (N-1)(alpha + S/N/beta) for
-    equal splits. The steps are independent, so all of them go on the wire at once."""
-    me, n, ranks = _members(group)
-    _check(output.dtype == input.dtype, f"all_to_all: output dtype {output.dtype} != input dtype {input.dtype}")
-    _check(output.device == input.device, "all_to_all: output and input are on different devices")
-    _check(output.shape[1:] == input.shape[1:],
-           f"all_to_all: rows of different shapes ({tuple(output.shape[1:])} vs {tuple(input.shape[1:])})")
-    outs = _split_sizes(output_split_sizes, output, n, "output")
-    ins = _split_sizes(input_split_sizes, input, n, "input")
-    _check(ins[me] == outs[me], f"all_to_all: this rank sends itself {ins[me]} rows but expects {outs[me]}")
-    row = math.prod(input.shape[1:])
-
-    def fn():
-        out = _flat(output)
-        send, recv = _row_pieces(_flat(input), ins, row), _row_pieces(out, outs, row)
-        recv[me].copy_(send[me])
-        # _post skips an empty piece; the peer's matching piece is empty too, so it skips the
-        # receive: no empty messages, and the two sides still pair up
-        _run([([(send[(me + k) % n], ranks[(me + k) % n])], [(recv[(me - k) % n], ranks[(me - k) % n])], None)
-              for k in range(1, n)], group, max(1, n - 1))
-        _copy_back(output, out)
-    return _launch("all_to_all", fn, async_op, input.device, group)
-
-
-def barrier(group=None, timeout_s=None):
-    """Nobody leaves before everybody has arrived: a tree all_reduce of one element, untracked.
-    Every rank's result depends on every rank having sent, so it cannot finish early; the CPU
-    waits for it (on NCCL too), and a peer that does not come is a CommError after --timeout_s.
-    timeout_s: wait this long instead, for a barrier that waits on host work rather than on
-    communication (rank 0 writing and hashing a checkpoint). NCCL's watchdog would abort any
-    message older than the group's timeout, so that barrier goes through the rendezvous store
-    when init_distributed made the group (without it, NCCL's limit still holds)."""
-    if not _initialized():
-        return
-    me, n, ranks = _members(group)
-    t = torch.zeros(1, device=_comm_device(group))
-
-    def fn():
-        if timeout_s is not None and _store is not None:
-            return _store_barrier(ranks, timeout_s)
-        _run(_tree_reduce(t, 0, me, n, ranks, torch.add, t), group, block=True, timeout_s=timeout_s)
-        _run(_tree_broadcast(t, 0, me, n, ranks), group, block=True, timeout_s=timeout_s)
-    with untracked():
-        _launch("barrier", fn, False, t.device, group)
-
-
-_store_barriers = defaultdict(int)  # the group's global ranks -> store barriers so far
-
-
-def _store_barrier(ranks, timeout_s):
-    """Each rank marks its arrival under a key of its own; the last to arrive opens the door."""
-    key = f"collectives/barrier/{'-'.join(map(str, ranks))}/{_store_barriers[tuple(ranks)]}"
-    _store_barriers[tuple(ranks)] += 1
-    _store.set(f"{key}/{get_rank()}", "1")
-    if _store.add(key, 1) == len(ranks):
-        _store.set(f"{key}/all", "1")
-    try:
-        _store.wait([f"{key}/all"], datetime.timedelta(seconds=timeout_s))
-    except RuntimeError as e:
-        late = ", ".join(f"rank {r}" for r in ranks if not _store.check([f"{key}/{r}"]))
-        raise CommError(f"rank {get_rank()}: barrier on ranks {ranks} timed out after {timeout_s} s "
-                        f"waiting for {late}") from e
-
-
-def gather_stats(values, group=None):
-    """A few numbers from every rank (loss, bytes sent, memory...) gathered to the group's
-    first rank for the log: values is {name: number}, the same names in the same order on
-    every rank. -> {name: [the value on each rank of the group]} there, None elsewhere.
-    Bookkeeping, so its own traffic is not counted; the CPU waits for it (a dead peer is a
-    CommError after --timeout_s, on NCCL too)."""
-    _check(isinstance(values, dict), f"gather_stats: values must be {{name: number}}, not {type(values).__name__}")
-    me, n, ranks = _members(group)
-    if n == 1:  # one rank: nothing to gather, nothing launched
-        return {k: [float(v)] for k, v in values.items()}
-    names, device = list(values), _comm_device(group)
-    mine = torch.tensor([float(values[k]) for k in names], dtype=torch.float64, device=device)
-    rows = torch.empty(n * len(names), dtype=torch.float64, device=device) if me == 0 else None
-
-    def fn():
-        pieces = _pieces(rows, n) if me == 0 else None
-        if me == 0:
-            pieces[0].copy_(mine)
-        _run([_gather_step(pieces, mine, 0, me, ranks)], group, block=True)
-    with untracked():
-        _launch("gather_stats", fn, False, device, group)
-    return dict(zip(names, rows.view(n, len(names)).t().tolist())) if me == 0 else None
-
-
-def sendrecv(send_tensor, dst, recv_tensor, src, group=None, async_op=False):
-    """The pipeline's primitive (and the attention ring's): send send_tensor to dst and receive recv_tensor from src,
-    both posted at once (one batch_isend_irecv: one NCCL group call), as MPI_Sendrecv.
-    Either may be None. Two neighbours that each send to the other before receiving deadlock
-    with blocking send/recv (NCCL, and gloo for large messages, hand a message over only once
-    its receiver has posted); posting each rank's send and receive together cannot."""
-    me, n, ranks = _members(group)
-    if send_tensor is not None:
-        _check(_index_of(dst, ranks, "dst") != me, "sendrecv: never send to yourself")
-    if recv_tensor is not None:
-        _check(_index_of(src, ranks, "src") != me, "sendrecv: never receive from yourself")
-    if send_tensor is None and recv_tensor is None:
-        return None
-
-    def fn():
-        sends = [(_flat(send_tensor), dst)] if send_tensor is not None else []
-        flat = _flat(recv_tensor) if recv_tensor is not None else None
-        _run([(sends, [(flat, src)] if flat is not None else [], None)], group)
-        if flat is not None:
-            _copy_back(recv_tensor, flat)
-    device = (send_tensor if send_tensor is not None else recv_tensor).device
-    return _launch("sendrecv", fn, async_op, device, group)
