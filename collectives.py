@@ -35,6 +35,7 @@ import math
 import operator
 import os
 import queue
+import sys
 import threading
 import time
 from collections import defaultdict, deque
@@ -498,31 +499,51 @@ NCCL_GRACE_S = 60  # NCCL's watchdog fires this much after our own CPU-side dead
 def init_distributed(timeout_s=None):
     """-> (rank, world_size, local_rank, device). The one place the backend is chosen.
     timeout_s: how long a rank waits for a peer before its collective fails (CommError)."""
-    global _we_created_group, _timeout_s, _group_timeout, _store
-    cuda, local_rank = torch.cuda.is_available(), int(os.environ.get("LOCAL_RANK", 0))
-    if cuda:
-        torch.cuda.set_device(local_rank)  # before NCCL starts, or every rank lands on GPU 0
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    # The device follows the group's backend: inside a group someone else made on gloo (the
+    # tests') we stay on the CPU, GPUs or not, or gloo would be handed CUDA pointers.
+    gpu = _is_nccl(None) if _initialized() else torch.cuda.is_available()
+    device = _visible_gpu(local_rank) if gpu else torch.device("cpu")
+    if gpu:
+        torch.cuda.set_device(device)  # before NCCL starts, or every rank lands on GPU 0
     if not _initialized() and "WORLD_SIZE" in os.environ:  # torchrun; plain `python x.py`: no group
-        kw = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
-        # torchrun's store outlives a failed attempt (--max_restarts): the ranks of the next
-        # one would read the dead attempt's addresses from it and fail to connect. Each
-        # attempt gets its own prefix in the store, as the env:// rendezvous makes it.
-        store, rank, world = next(dist.rendezvous("env://", **kw))
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        _store = dist.PrefixStore(f"attempt{attempt}/", store)
-        if cuda and timeout_s is not None:
-            # On NCCL a wait does not block the CPU, so our own deadline is checked only where
-            # the CPU waits (barrier, gather_stats); the watchdog, which aborts the process at
-            # the group's timeout, comes a grace period later, so that those waits report first.
-            kw["timeout"] = datetime.timedelta(seconds=timeout_s + NCCL_GRACE_S)
-        kw.update(store=_store, rank=rank, world_size=world)
-        if cuda:  # device_id makes NCCL create its communicator now, with every rank present
-            dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank), **kw)
-        else:
-            dist.init_process_group("gloo", **kw)
-        _we_created_group, _timeout_s, _group_timeout = True, timeout_s, kw.get("timeout")
-    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+        _make_group(timeout_s, device)
     return get_rank(), get_world_size(), local_rank, device
+
+
+def _visible_gpu(local_rank):
+    """This process's GPU: its local rank's among all of the node's, or the only one it sees
+    (one GPU per process, as some SLURM set-ups give it)."""
+    count = torch.cuda.device_count()
+    if count == 1 or local_rank < count:
+        return torch.device("cuda", 0 if count == 1 else local_rank)
+    print(f"error: rank {os.environ.get('RANK', '0')}: LOCAL_RANK={local_rank} but this process sees {count} GPUs "
+          f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): give each process all of "
+          "its node's GPUs, or exactly one", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+def _make_group(timeout_s, device):
+    global _we_created_group, _timeout_s, _group_timeout, _store
+    kw = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
+    # torchrun's store outlives a failed attempt (--max_restarts): the ranks of the next
+    # one would read the dead attempt's addresses from it and fail to connect. Each
+    # attempt gets its own prefix in the store, as the env:// rendezvous makes it.
+    store, rank, world = next(dist.rendezvous("env://", **kw))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    _store = dist.PrefixStore(f"attempt{attempt}/", store)
+    nccl = device.type == "cuda"
+    if nccl and timeout_s is not None:
+        # On NCCL a wait does not block the CPU, so our own deadline is checked only where
+        # the CPU waits (barrier, gather_stats); the watchdog, which aborts the process at
+        # the group's timeout, comes a grace period later, so that those waits report first.
+        kw["timeout"] = datetime.timedelta(seconds=timeout_s + NCCL_GRACE_S)
+    kw.update(store=_store, rank=rank, world_size=world)
+    if nccl:  # device_id makes NCCL create its communicator now, with every rank present
+        dist.init_process_group("nccl", device_id=device, **kw)
+    else:
+        dist.init_process_group("gloo", **kw)
+    _we_created_group, _timeout_s, _group_timeout = True, timeout_s, kw.get("timeout")
 
 
 def shutdown():

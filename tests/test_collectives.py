@@ -562,7 +562,7 @@ def all_checks(rank, n):
     return result
 
 
-@pytest.mark.parametrize("n", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("n", [1, pytest.param(2, marks=pytest.mark.quick), 3, 4, 5])
 def test_against_builtin(n):
     results = spawn(all_checks, n, timeout=240)
     per_rank = [r[0] for r in results]
@@ -614,6 +614,7 @@ def test_no_process_group():
     assert not C._workers
 
 
+@pytest.mark.quick
 def test_worker_drops_finished_job():
     """Once an async op has been waited for, the worker holds none of its tensors."""
     x = torch.ones(1000)
@@ -730,6 +731,7 @@ def test_init_distributed_timeout(monkeypatch):
     # on NCCL the watchdog's deadline (the group's timeout) comes a grace period after ours
     calls.clear()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
     try:
         C.init_distributed(timeout_s=3)
@@ -739,6 +741,34 @@ def test_init_distributed_timeout(monkeypatch):
     assert calls == [(("nccl",), dict(device_id=torch.device("cuda", 0), **common,
                                       timeout=datetime.timedelta(seconds=3 + C.NCCL_GRACE_S)))], calls
     assert C._timeout_s is None and C._store is None
+
+
+def test_device_follows_the_group_and_the_visible_gpus(monkeypatch, capsys):
+    """Faked CUDA: inside a gloo group someone else made, the device is the CPU and no GPU is
+    touched; with GPUs, a process uses its local rank's, or the only one it sees, and a local
+    rank beyond the GPUs it sees is one error line."""
+    chosen = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)  # no group of our own is made
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    monkeypatch.setattr(C, "_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_backend", lambda group: "gloo")
+    monkeypatch.setattr(dist, "get_rank", lambda group: 3)
+    monkeypatch.setattr(dist, "get_world_size", lambda group: 4)
+    assert C.init_distributed()[2:] == (3, torch.device("cpu")) and chosen == []
+    monkeypatch.setattr(C, "_initialized", lambda: False)
+    for count, want in ((8, 3), (1, 0)):
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+        assert C.init_distributed()[3] == torch.device("cuda", want) and chosen[-1] == torch.device("cuda", want)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5")
+    with pytest.raises(SystemExit) as e:
+        C.init_distributed()
+    assert e.value.code == 2 and len(chosen) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: rank 0: LOCAL_RANK=3 but this process sees 2 GPUs (CUDA_VISIBLE_DEVICES=4,5): "
+                   "give each process all of its node's GPUs, or exactly one"], err
 
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "reduce", "scatter", "gather")
