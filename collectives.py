@@ -13,10 +13,10 @@ tensor forms, so `C.all_reduce(t)` and `dist.all_reduce(t)` can be swapped and c
 Each takes group=None (the whole world) and, but the last two, async_op=False (True: a
 handle with wait() and is_completed()). src/dst are GLOBAL ranks; op is "sum", "avg",
 "max", "min" or a dist.ReduceOp (avg is sum then divide, refused for integer tensors).
-Below the fence: init_distributed(timeout_s=None) -> (rank, world_size, local_rank,
-device), shutdown(), get_rank/get_world_size/group_ranks(group=None), new_group(ranks);
-bytes_sent(group=None), bytes_by_op(), bytes_by_group(), reset_bytes(), untracked();
-CommError, a wait that failed, naming the ranks it was waiting for.
+Below the fence: init_distributed(timeout_s=None, backend=None) -> (rank, world_size,
+local_rank, device), shutdown(), get_rank/get_world_size/group_ranks(group=None),
+new_group(ranks); bytes_sent(group=None), bytes_by_op(), bytes_by_group(), reset_bytes(),
+untracked(); CommError, a wait that failed, naming the ranks it was waiting for.
 
 Every algorithm is a list of steps (sends, recvs, then): post the step's messages
 together, wait for them, call then() (say, add what arrived). _run is the one place that
@@ -496,13 +496,15 @@ _store = None  # the rendezvous store of the group we made: barriers that outlas
 NCCL_GRACE_S = 60  # NCCL's watchdog fires this much after our own CPU-side deadline
 
 
-def init_distributed(timeout_s=None):
+def init_distributed(timeout_s=None, backend=None):
     """-> (rank, world_size, local_rank, device). The one place the backend is chosen.
-    timeout_s: how long a rank waits for a peer before its collective fails (CommError)."""
+    timeout_s: how long a rank waits for a peer before its collective fails (CommError).
+    backend: None is NCCL where there is a GPU, else gloo; "gloo" keeps a GPU machine's
+    ranks on the CPU (the benchmarks' --backend=gloo)."""
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     # The device follows the group's backend: inside a group someone else made on gloo (the
     # tests') we stay on the CPU, GPUs or not, or gloo would be handed CUDA pointers.
-    gpu = _is_nccl(None) if _initialized() else torch.cuda.is_available()
+    gpu = _is_nccl(None) if _initialized() else backend != "gloo" and torch.cuda.is_available()
     device = _visible_gpu(local_rank) if gpu else torch.device("cpu")
     if gpu:
         torch.cuda.set_device(device)  # before NCCL starts, or every rank lands on GPU 0
