@@ -1,44 +1,31 @@
 """
-Collectives by hand: broadcast, reduce, all_reduce, scatter, gather, all_gather,
-reduce_scatter and all_to_all on nothing but point-to-point messages (isend/irecv,
+Collectives by hand, on nothing but point-to-point messages (isend/irecv, each step's
 posted together with batch_isend_irecv). The signatures mirror torch.distributed's
-tensor forms, so `C.all_reduce(t)` and `dist.all_reduce(t)` can be swapped and compared.
+tensor forms, so `C.all_reduce(t)` and `dist.all_reduce(t)` can be swapped and compared:
 
-    init_distributed(timeout_s=None) -> (rank, world_size, local_rank, device)
-    shutdown()
-    get_rank(group=None), get_world_size(group=None), group_ranks(group=None) -> [global ranks]
-    new_group(ranks) -> the group on its members, None elsewhere
-    broadcast(tensor, src, group=None, async_op=False)
-    reduce(tensor, dst, op="sum", group=None, async_op=False)
-    all_reduce(tensor, op="sum", group=None, async_op=False)
-    reduce_scatter(output, input, op="sum", group=None, async_op=False)
-    all_gather(output, input, group=None, async_op=False)
-    scatter(output, input, src, group=None, async_op=False)
-    gather(output, input, dst, group=None, async_op=False)
-    all_to_all(output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False)
-    send(tensor, dst, group=None, async_op=False), recv(tensor, src, group=None, async_op=False)
-    sendrecv(send_tensor, dst, recv_tensor, src, group=None, async_op=False)
-        the pipeline's primitive: a send and a receive posted together, as MPI_Sendrecv
-    barrier(group=None), gather_stats(values, group=None) -> {name: [value of each rank]}
-    bytes_sent(group=None), bytes_by_op(), bytes_by_group(), reset_bytes(), untracked()
-    CommError: a wait that failed, naming the ranks it was waiting for
+    broadcast(tensor, src), reduce(tensor, dst, op="sum"), all_reduce(tensor, op="sum")
+    reduce_scatter(output, input, op="sum"), all_gather(output, input)
+    scatter(output, input, src), gather(output, input, dst)
+    all_to_all(output, input, output_split_sizes=None, input_split_sizes=None)
+    send(tensor, dst), recv(tensor, src), sendrecv(send_tensor, dst, recv_tensor, src)
+    barrier(group=None, timeout_s=None), gather_stats({name: number}, group=None)
 
-src/dst are GLOBAL ranks; group None is the whole world; op is "sum", "avg", "max", "min"
-or a dist.ReduceOp; avg is sum then divide, and is refused (ValueError) for integer
-tensors rather than rounded. async_op=True returns a handle with wait() and is_completed().
-
-Costs below are in the alpha-beta model (the README's "The numbers behind the strategies";
-the ring and tree algorithms and their costs are those of Thakur, Rabenseifner & Gropp,
-"Optimization of Collective Communication Operations in MPICH", 2005): a message of S bytes
-costs alpha + S/beta, reducing S bytes costs S*gamma, N is the number of ranks.
+Each takes group=None (the whole world) and, but the last two, async_op=False (True: a
+handle with wait() and is_completed()). src/dst are GLOBAL ranks; op is "sum", "avg",
+"max", "min" or a dist.ReduceOp (avg is sum then divide, refused for integer tensors).
+Below the fence: init_distributed(timeout_s=None, backend=None) -> (rank, world_size,
+local_rank, device), shutdown(), get_rank/get_world_size/group_ranks(group=None),
+new_group(ranks); bytes_sent(group=None), bytes_by_op(), bytes_by_group(), reset_bytes(),
+untracked(); CommError, a wait that failed, naming the ranks it was waiting for.
 
 Every algorithm is a list of steps (sends, recvs, then): post the step's messages
 together, wait for them, call then() (say, add what arrived). _run is the one place that
-posts messages, and it may keep several steps on the wire at once: that is how the
-rings overlap the wire with the adder.
-
-bench/collectives_bench.py times each one against the built-in
-(`torchrun --nproc_per_node=4 bench/collectives_bench.py`).
+posts messages, and it keeps several steps on the wire at once: that is how the rings
+overlap the wire with the adder. Costs are in the alpha-beta model (Thakur, Rabenseifner &
+Gropp, "Optimization of Collective Communication Operations in MPICH", 2005; the README's
+"The numbers behind the strategies"): a message of S bytes costs alpha + S/beta, reducing
+S bytes costs S*gamma, N is the number of ranks. bench/collectives_bench.py times each
+one against the built-in (`torchrun --nproc_per_node=4 bench/collectives_bench.py`).
 """
 import atexit
 import contextlib
@@ -48,7 +35,9 @@ import math
 import operator
 import os
 import queue
+import sys
 import threading
+import time
 from collections import defaultdict, deque
 
 import torch
@@ -63,39 +52,525 @@ LARGE_REDUCE_BYTES = 32 << 20      # reduce from this size on: ring reduce-scatt
 SEGMENT_BYTES = 4 << 20            # rings cut each chunk into segments of at most this size
 PIPELINE_DEPTH = 2                 # and keep this many in flight: one moves while one is reduced
 
+# ----------------------------------------------------------------------------- the ring
+
+# A ring all-reduce is a reduce-scatter, then an all-gather, N-1 steps each. Cut the data
+# in N chunks; every rank sends to its right neighbour and receives from its left.
+# Reduce-scatter: in step s rank r passes its partial sum of chunk r-s-1 to the right and
+# adds the partial of chunk r-s-2 arriving from the left; after N-1 steps rank r holds
+# chunk r summed over all. All-gather: rank r starts with chunk r; in step s it forwards
+# chunk r-s to the right and receives chunk r-s-1 from the left straight into place.
+# Each half costs (N-1)alpha + (N-1)/N S/beta (the reduce-scatter + (N-1)/N S gamma):
+# each rank sends (N-1)/N S, the least possible, since it must receive that much it does
+# not have; but the alphas grow with N.
+
+def _ring_all_reduce(flat, me, n, left, right, combine):
+    """-> (steps, depth): 2(N-1)alpha + 2(N-1)/N S/beta, as one pipeline (the all-gather
+    starts while the last sums finish)."""
+    rs, depth = _ring_reduce_scatter(flat, me, n, left, right, combine)
+    ag, _ = _ring_all_gather(_pieces(flat, n), me, n, left, right)
+    return rs + ag, depth
+
+
+def _ring_reduce_scatter(src, me, n, left, right, combine, mine=None):
+    """-> (steps, depth). Rank me ends with chunk me reduced: in place in src if mine is None
+    (all_reduce), else src is only read, partials pass through two scratch chunks and the
+    result lands in `mine`."""
+    chunks = _pieces(src, n)
+    if mine is None:
+        out = lambda s, c: chunks[c]  # noqa: E731
+    else:
+        scratch = [torch.empty_like(chunks[0]) for _ in range(min(2, n - 2))]
+        out = lambda s, c: mine if s == n - 2 else scratch[s % 2][:chunks[c].numel()]  # noqa: E731
+    nseg, depth = _segments(chunks[0])
+    tmps = [torch.empty_like(_pieces(chunks[0], nseg)[0]) for _ in range(depth)]  # what arrives
+    steps = []
+    for s in range(n - 1):
+        c_send, c_recv = (me - s - 1) % n, (me - s - 2) % n
+        send = chunks[c_send] if s == 0 else out(s - 1, c_send)
+        for a, b, o in _segmented(nseg, send, chunks[c_recv], out(s, c_recv)):
+            tmp = tmps[len(steps) % depth][:b.numel()]
+            steps.append(([(a, right)], [(tmp, left)], functools.partial(combine, b, tmp, out=o)))
+    return steps, depth
+
+
+def _ring_all_gather(chunks, me, n, left, right):
+    """-> (steps, depth). chunks[me] holds this rank's part; the others fill in place."""
+    nseg, depth = _segments(chunks[0])
+    steps = [([(a, right)], [(b, left)], None) for s in range(n - 1)
+             for a, b in _segmented(nseg, chunks[(me - s) % n], chunks[(me - s - 1) % n])]
+    return steps, depth
+
+
+# Segmentation, as gloo's own ring does it: each chunk is cut into segments, and while one
+# is being added the next is on the wire, about max(wire, adder) instead of their sum, for
+# more alphas. Measured here: 4 MB segments. Smaller ones lost, as each costs ~0.2 ms of
+# CPU (Python, gloo's handshake, wake-ups), and 4 ranks on 2 cores have no idle wire to
+# overlap with; at 2 ranks (a core each) splitting a 8 MB chunk in two won ~15%.
+
+def _segments(chunk):
+    """-> (segments per chunk, steps kept in flight) for chunks the size of `chunk` (the
+    first, the largest). depth <= segments: a step then only sends a partial that a then()
+    at least depth steps earlier finished."""
+    nseg = max(1, -(-chunk.numel() * chunk.element_size() // SEGMENT_BYTES))
+    return nseg, min(PIPELINE_DEPTH, nseg)
+
+
+def _segmented(nseg, *chunks):
+    """The chunks cut into nseg segments each, zipped: segment i of every chunk together."""
+    return zip(*(_pieces(c, nseg) for c in chunks))
+
+
+def _pieces(t, parts):
+    """Cut flat t into `parts` contiguous views whose sizes differ by at most one element."""
+    q, r = divmod(t.numel(), parts)
+    starts = [i * q + min(i, r) for i in range(parts + 1)]
+    return [t[starts[i]:starts[i + 1]] for i in range(parts)]
+
+# ----------------------------------------------------------------------------- trees, root to all, all to all
+
+# Binomial trees, numbered from the root (v = my distance from it). Broadcast: in the round
+# of `mask` the ranks v < mask, which have the data, send it to v + mask, so the holders
+# double each round: ceil(log2 N) rounds of (alpha + S/beta), N-1 messages of S in all.
+# Few alphas, so trees win for small S. (For a huge S on many ranks, scatter + ring
+# all-gather, ~2 S/beta, beats log2(N) S/beta; at N=4 here it lost, so broadcast stays a tree.)
+
+def _tree_broadcast(buf, root, me, n, ranks):
+    v, steps, mask = (me - root) % n, [], 1
+    while mask < n:
+        if v < mask and v + mask < n:
+            steps.append(([(buf, ranks[(root + v + mask) % n])], [], None))
+        elif mask <= v < 2 * mask:
+            steps.append(([], [(buf, ranks[(root + v - mask) % n])], None))
+        mask <<= 1
+    return steps
+
+
+# Reduce is that tree run backwards: in round `mask` a rank with bit `mask` set hands the
+# partial of its subtree to v - mask and is done; the others add the partial of v + mask.
+# ceil(log2 N) rounds of (alpha + S/beta + S gamma), all the adding on the way to the root.
+
+def _tree_reduce(src, root, me, n, ranks, combine, acc=None):
+    """Partials go to acc (allocated if None and needed), src is only read."""
+    v, steps, mask, tmp = (me - root) % n, [], 1, None
+    while mask < n:
+        if v & mask:
+            steps.append(([(src if tmp is None else acc, ranks[(root + v - mask) % n])], [], None))
+            break
+        if v + mask < n:
+            first = tmp is None
+            if first:
+                tmp = torch.empty_like(src)
+                acc = torch.empty_like(src) if acc is None else acc
+            steps.append(([], [(tmp, ranks[(root + v + mask) % n])],
+                          functools.partial(combine, src if first else acc, tmp, out=acc)))
+        mask <<= 1
+    return steps
+
+
+# Scatter and gather: the root talks to each rank directly, all messages in one step.
+# (N-1)alpha + (N-1)/N S/beta, all on the root's link, which has to carry (N-1)/N S
+# whatever the algorithm: a tree would only save alphas.
+
+def _scatter_step(pieces, mine, root, me, ranks):
+    if me == root:
+        return [(p, ranks[i]) for i, p in enumerate(pieces) if i != me], [], None
+    return [], [(mine, ranks[root])], None
+
+
+def _gather_step(pieces, mine, root, me, ranks):
+    if me == root:
+        return [], [(p, ranks[i]) for i, p in enumerate(pieces) if i != me], None
+    return [(mine, ranks[root])], [], None
+
+
+# Pairwise exchange (all-to-all): in step k rank r sends to r+k and receives from r-k, so
+# every rank has one partner each way per step and no link is oversubscribed:
+# (N-1)(alpha + S/N/beta) for equal splits. The steps are independent, so all of them can
+# go on the wire at once.
+
+def _pairwise_exchange(send, recv, me, n, ranks):
+    """send[j]: the piece for rank j; recv[j]: where rank j's piece lands (recv[me] is ours)."""
+    return [([(send[(me + k) % n], ranks[(me + k) % n])], [(recv[(me - k) % n], ranks[(me - k) % n])], None)
+            for k in range(1, n)]
+
+# ----------------------------------------------------------------------------- the collectives
+
+def all_reduce(tensor, op="sum", group=None, async_op=False):
+    """The ring: 2(N-1)alpha + 2(N-1)/N S/beta. For a small S the 2(N-1) alphas dominate, so
+    there: tree reduce to rank 0 + tree broadcast, 2 log2(N) alphas."""
+    me, n, ranks = _members(group)
+    op = _op(op, tensor.dtype)
+
+    def fn():
+        flat = _flat(tensor)
+        if flat.numel() * flat.element_size() < SMALL_ALL_REDUCE_BYTES or flat.numel() < n:
+            _run(_tree_reduce(flat, 0, me, n, ranks, _COMBINE[op], flat), group)
+            _run(_tree_broadcast(flat, 0, me, n, ranks), group)
+        else:
+            steps, depth = _ring_all_reduce(flat, me, n, ranks[(me - 1) % n], ranks[(me + 1) % n], _COMBINE[op])
+            _run(steps, group, depth)
+        if op == "avg":
+            flat.div_(n)
+        _copy_back(tensor, flat)
+    return _launch("all_reduce", fn, async_op, tensor.device, group)
+
+
+def reduce_scatter(output, input, op="sum", group=None, async_op=False):
+    """As dist.reduce_scatter_tensor: input has N * output elements; rank i gets chunk i reduced."""
+    me, n, ranks = _members(group)
+    op = _op(op, input.dtype)
+    _check_pair(output, input, output.numel() * n, input.numel(), "reduce_scatter (input = world_size * output)")
+
+    def fn():
+        out, src = _flat(output), _flat(input)
+        steps, depth = _ring_reduce_scatter(src, me, n, ranks[(me - 1) % n], ranks[(me + 1) % n], _COMBINE[op], out)
+        _run(steps, group, depth)
+        if n == 1:
+            out.copy_(src)
+        if op == "avg":
+            out.div_(n)
+        _copy_back(output, out)
+    return _launch("reduce_scatter", fn, async_op, input.device, group)
+
+
+def all_gather(output, input, group=None, async_op=False):
+    """As dist.all_gather_into_tensor: output has N * input elements, rank-major."""
+    me, n, ranks = _members(group)
+    _check_pair(output, input, output.numel(), input.numel() * n, "all_gather (output = world_size * input)")
+
+    def fn():
+        out = _flat(output)
+        chunks = _pieces(out, n)
+        chunks[me].copy_(input.reshape(-1))
+        steps, depth = _ring_all_gather(chunks, me, n, ranks[(me - 1) % n], ranks[(me + 1) % n])
+        _run(steps, group, depth)
+        _copy_back(output, out)
+    return _launch("all_gather", fn, async_op, input.device, group)
+
+
+def broadcast(tensor, src, group=None, async_op=False):
+    me, n, ranks = _members(group)
+    root = _index_of(src, ranks, "src")
+
+    def fn():
+        flat = _flat(tensor)
+        _run(_tree_broadcast(flat, root, me, n, ranks), group)
+        _copy_back(tensor, flat)
+    return _launch("broadcast", fn, async_op, tensor.device, group)
+
+
+def reduce(tensor, dst, op="sum", group=None, async_op=False):
+    """Result on dst; the other ranks' tensors are left as they were (partials go to scratch).
+    Large S: ring reduce-scatter + gather (Rabenseifner), so that every rank does 1/N of the
+    adding and the root receives (N-1)/N S instead of ceil(log2 N) S."""
+    me, n, ranks = _members(group)
+    root, op = _index_of(dst, ranks, "dst"), _op(op, tensor.dtype)
+
+    def fn():
+        flat = _flat(tensor)
+        if flat.numel() * flat.element_size() < LARGE_REDUCE_BYTES or flat.numel() < n:
+            _run(_tree_reduce(flat, root, me, n, ranks, _COMBINE[op], flat if me == root else None), group)
+        else:
+            chunks = _pieces(flat, n)
+            mine = chunks[me] if me == root else torch.empty_like(chunks[me])
+            steps, depth = _ring_reduce_scatter(flat, me, n, ranks[(me - 1) % n], ranks[(me + 1) % n],
+                                                _COMBINE[op], mine)
+            _run(steps, group, depth)
+            _run([_gather_step(chunks, mine, root, me, ranks)], group)
+        if me == root:
+            if op == "avg":
+                flat.div_(n)
+            _copy_back(tensor, flat)
+    return _launch("reduce", fn, async_op, tensor.device, group)
+
+
+def scatter(output, input, src, group=None, async_op=False):
+    """Piece i of src's input (N * output elements; None elsewhere) lands in rank i's output."""
+    me, n, ranks = _members(group)
+    root = _index_of(src, ranks, "src")
+    _check(me != root or input is not None, "scatter: input is required on src")
+    if input is not None:  # checked wherever it is given, not only on src
+        _check_pair(output, input, output.numel() * n, input.numel(), "scatter (input = world_size * output)")
+
+    def fn():
+        out, pieces = _flat(output), None
+        if me == root:
+            pieces = _pieces(_flat(input), n)
+            out.copy_(pieces[me])
+        _run([_scatter_step(pieces, out, root, me, ranks)], group)
+        _copy_back(output, out)
+    return _launch("scatter", fn, async_op, output.device, group)
+
+
+def gather(output, input, dst, group=None, async_op=False):
+    """Rank i's input lands in piece i of dst's output (N * input elements; None elsewhere)."""
+    me, n, ranks = _members(group)
+    root = _index_of(dst, ranks, "dst")
+    _check(me != root or output is not None, "gather: output is required on dst")
+    if output is not None:
+        _check_pair(output, input, output.numel(), input.numel() * n, "gather (output = world_size * input)")
+
+    def fn():
+        out = pieces = None
+        if me == root:
+            out = _flat(output)
+            pieces = _pieces(out, n)
+            pieces[me].copy_(input.reshape(-1))
+        _run([_gather_step(pieces, _flat(input), root, me, ranks)], group)
+        if me == root:
+            _copy_back(output, out)
+    return _launch("gather", fn, async_op, input.device, group)
+
+
+def _rows(t):
+    return t.shape[0] if t.dim() else 1
+
+
+def _split_sizes(sizes, t, n, what):
+    """-> the rows of t going to (input) or coming from (output) each rank, checked."""
+    if sizes is None:
+        _check(_rows(t) % n == 0, f"all_to_all: dim 0 of the {what} ({_rows(t)}) does not split equally into {n} ranks")
+        return [_rows(t) // n] * n
+    try:
+        sizes = [operator.index(s) for s in sizes]
+    except TypeError:
+        raise ValueError(f"all_to_all: {what}_split_sizes must be whole numbers, got {sizes}") from None
+    _check(len(sizes) == n, f"all_to_all: {what}_split_sizes has {len(sizes)} entries for {n} ranks")
+    _check(min(sizes) >= 0, f"all_to_all: negative {what}_split_sizes {sizes}")
+    _check(sum(sizes) == _rows(t), f"all_to_all: {what}_split_sizes {sizes} do not add up to dim 0 ({_rows(t)})")
+    return sizes
+
+
+def _row_pieces(flat, sizes, row):
+    """Cut flat into consecutive views of sizes[i] rows of `row` elements."""
+    ends = [0]
+    for s in sizes:
+        ends.append(ends[-1] + s * row)
+    return [flat[ends[i]:ends[i + 1]] for i in range(len(sizes))]
+
+
+def all_to_all(output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):
+    """As dist.all_to_all_single: input's dim 0 is cut into input_split_sizes[i] rows for rank
+    i (None: N equal parts), and what rank j sends lands in output's part j, cut the same way
+    by output_split_sizes. The rows rank i sends rank j must be the rows rank j expects from
+    rank i: checking that would cost a message, so a mismatch times out (CommError).
+    The pairwise exchange, every step on the wire at once."""
+    me, n, ranks = _members(group)
+    _check(output.dtype == input.dtype, f"all_to_all: output dtype {output.dtype} != input dtype {input.dtype}")
+    _check(output.device == input.device, "all_to_all: output and input are on different devices")
+    _check(output.shape[1:] == input.shape[1:],
+           f"all_to_all: rows of different shapes ({tuple(output.shape[1:])} vs {tuple(input.shape[1:])})")
+    outs = _split_sizes(output_split_sizes, output, n, "output")
+    ins = _split_sizes(input_split_sizes, input, n, "input")
+    _check(ins[me] == outs[me], f"all_to_all: this rank sends itself {ins[me]} rows but expects {outs[me]}")
+    row = math.prod(input.shape[1:])
+
+    def fn():
+        out = _flat(output)
+        send, recv = _row_pieces(_flat(input), ins, row), _row_pieces(out, outs, row)
+        recv[me].copy_(send[me])
+        # _post skips an empty piece; the peer's matching piece is empty too, so it skips the
+        # receive: no empty messages, and the two sides still pair up
+        _run(_pairwise_exchange(send, recv, me, n, ranks), group, max(1, n - 1))
+        _copy_back(output, out)
+    return _launch("all_to_all", fn, async_op, input.device, group)
+
+
+def send(tensor, dst, group=None, async_op=False):
+    me, n, ranks = _members(group)
+    _check(_index_of(dst, ranks, "dst") != me, "send: never send to yourself")
+    return _launch("send", lambda: _run([([(_flat(tensor), dst)], [], None)], group), async_op, tensor.device, group)
+
+
+def recv(tensor, src, group=None, async_op=False):
+    me, n, ranks = _members(group)
+    _check(_index_of(src, ranks, "src") != me, "recv: never receive from yourself")
+
+    def fn():
+        flat = _flat(tensor)
+        _run([([], [(flat, src)], None)], group)
+        _copy_back(tensor, flat)
+    return _launch("recv", fn, async_op, tensor.device, group)
+
+
+def sendrecv(send_tensor, dst, recv_tensor, src, group=None, async_op=False):
+    """The pipeline's primitive (and the attention ring's): send send_tensor to dst and receive recv_tensor from src,
+    both posted at once (one batch_isend_irecv: one NCCL group call), as MPI_Sendrecv.
+    Either may be None. Two neighbours that each send to the other before receiving deadlock
+    with blocking send/recv (NCCL, and gloo for large messages, hand a message over only once
+    its receiver has posted); posting each rank's send and receive together cannot."""
+    me, n, ranks = _members(group)
+    if send_tensor is not None:
+        _check(_index_of(dst, ranks, "dst") != me, "sendrecv: never send to yourself")
+    if recv_tensor is not None:
+        _check(_index_of(src, ranks, "src") != me, "sendrecv: never receive from yourself")
+    if send_tensor is None and recv_tensor is None:
+        return None
+
+    def fn():
+        sends = [(_flat(send_tensor), dst)] if send_tensor is not None else []
+        flat = _flat(recv_tensor) if recv_tensor is not None else None
+        _run([(sends, [(flat, src)] if flat is not None else [], None)], group)
+        if flat is not None:
+            _copy_back(recv_tensor, flat)
+    device = (send_tensor if send_tensor is not None else recv_tensor).device
+    return _launch("sendrecv", fn, async_op, device, group)
+
+
+def batch_sendrecv(sends, recvs, group=None, async_op=False):
+    """sendrecv for several messages: every (tensor, dst) of sends and (tensor, src) of recvs
+    posted at once (one batch_isend_irecv), as the interleaved pipeline's steady state posts
+    its two sends and two receives. Messages between two ranks match in list order."""
+    me, n, ranks = _members(group)
+    for _, dst in sends:
+        _check(_index_of(dst, ranks, "dst") != me, "batch_sendrecv: never send to yourself")
+    for _, src in recvs:
+        _check(_index_of(src, ranks, "src") != me, "batch_sendrecv: never receive from yourself")
+    if not sends and not recvs:
+        return None
+
+    def fn():
+        flats = [_flat(t) for t, _ in recvs]
+        _run([([(_flat(t), dst) for t, dst in sends], [(f, src) for f, (_, src) in zip(flats, recvs)], None)], group)
+        for (t, _), f in zip(recvs, flats):
+            _copy_back(t, f)
+    return _launch("sendrecv", fn, async_op, (sends or recvs)[0][0].device, group)
+
+def barrier(group=None, timeout_s=None):
+    """Nobody leaves before everybody has arrived: a tree all_reduce of one element, untracked.
+    Every rank's result depends on every rank having sent, so it cannot finish early; the CPU
+    waits for it (on NCCL too), and a peer that does not come is a CommError after --timeout_s.
+    timeout_s: wait this long instead, for a barrier that waits on host work rather than on
+    communication (rank 0 writing and hashing a checkpoint). NCCL's watchdog would abort any
+    message older than the group's timeout, so that barrier goes through the rendezvous store
+    when init_distributed made the group (without it, NCCL's limit still holds)."""
+    if not _initialized():
+        return
+    me, n, ranks = _members(group)
+    t = torch.zeros(1, device=_comm_device(group))
+
+    def fn():
+        if timeout_s is not None and _store is not None:
+            return _store_barrier(ranks, timeout_s)
+        _run(_tree_reduce(t, 0, me, n, ranks, torch.add, t), group, block=True, timeout_s=timeout_s)
+        _run(_tree_broadcast(t, 0, me, n, ranks), group, block=True, timeout_s=timeout_s)
+    with untracked():
+        _launch("barrier", fn, False, t.device, group)
+
+
+_store_barriers = defaultdict(int)  # the group's global ranks -> store barriers so far
+
+
+def _store_barrier(ranks, timeout_s):
+    """Each rank marks its arrival under a key of its own; the last to arrive opens the door."""
+    key = f"collectives/barrier/{'-'.join(map(str, ranks))}/{_store_barriers[tuple(ranks)]}"
+    _store_barriers[tuple(ranks)] += 1
+    _store.set(f"{key}/{get_rank()}", "1")
+    if _store.add(key, 1) == len(ranks):
+        _store.set(f"{key}/all", "1")
+    try:
+        _store.wait([f"{key}/all"], datetime.timedelta(seconds=timeout_s))
+    except RuntimeError as e:
+        late = ", ".join(f"rank {r}" for r in ranks if not _store.check([f"{key}/{r}"]))
+        raise CommError(f"rank {get_rank()}: barrier on ranks {ranks} timed out after {timeout_s} s "
+                        f"waiting for {late}") from e
+
+
+def gather_stats(values, group=None):
+    """A few numbers from every rank (loss, bytes sent, memory...) gathered to the group's
+    first rank for the log: values is {name: number}, the same names in the same order on
+    every rank. -> {name: [the value on each rank of the group]} there, None elsewhere.
+    Bookkeeping, so its own traffic is not counted; the CPU waits for it (a dead peer is a
+    CommError after --timeout_s, on NCCL too)."""
+    _check(isinstance(values, dict), f"gather_stats: values must be {{name: number}}, not {type(values).__name__}")
+    me, n, ranks = _members(group)
+    if n == 1:  # one rank: nothing to gather, nothing launched
+        return {k: [float(v)] for k, v in values.items()}
+    names, device = list(values), _comm_device(group)
+    mine = torch.tensor([float(values[k]) for k in names], dtype=torch.float64, device=device)
+    rows = torch.empty(n * len(names), dtype=torch.float64, device=device) if me == 0 else None
+
+    def fn():
+        pieces = _pieces(rows, n) if me == 0 else None
+        if me == 0:
+            pieces[0].copy_(mine)
+        _run([_gather_step(pieces, mine, 0, me, ranks)], group, block=True)
+    with untracked():
+        _launch("gather_stats", fn, False, device, group)
+    return dict(zip(names, rows.view(n, len(names)).t().tolist())) if me == 0 else None
+
+
+# =============================================================================================
+# Below the fence: the plumbing. Process groups, byte accounting, the engine that posts a
+# step's messages and waits for them, the async workers, argument checks.
+# =============================================================================================
+
 # ----------------------------------------------------------------------------- process group
 
 _we_created_group = False
+_timeout_s = None  # --timeout_s: the deadline of the waits that block the CPU (None: torch's default)
+_group_timeout = None  # what init_distributed gave the world, for new_group to give each sub-group
+_store = None  # the rendezvous store of the group we made: barriers that outlast the timeout use it
+NCCL_GRACE_S = 60  # NCCL's watchdog fires this much after our own CPU-side deadline
 
 
-def init_distributed(timeout_s=None):
+def init_distributed(timeout_s=None, backend=None):
     """-> (rank, world_size, local_rank, device). The one place the backend is chosen.
-    timeout_s: how long a rank waits for a peer before its collective fails (CommError)."""
-    global _we_created_group
-    cuda, local_rank = torch.cuda.is_available(), int(os.environ.get("LOCAL_RANK", 0))
-    if cuda:
-        torch.cuda.set_device(local_rank)  # before NCCL starts, or every rank lands on GPU 0
+    timeout_s: how long a rank waits for a peer before its collective fails (CommError).
+    backend: None is NCCL where there is a GPU, else gloo; "gloo" keeps a GPU machine's
+    ranks on the CPU (the benchmarks' --backend=gloo)."""
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    # The device follows the group's backend: inside a group someone else made on gloo (the
+    # tests') we stay on the CPU, GPUs or not, or gloo would be handed CUDA pointers.
+    gpu = _is_nccl(None) if _initialized() else backend != "gloo" and torch.cuda.is_available()
+    device = _visible_gpu(local_rank) if gpu else torch.device("cpu")
+    if gpu:
+        torch.cuda.set_device(device)  # before NCCL starts, or every rank lands on GPU 0
     if not _initialized() and "WORLD_SIZE" in os.environ:  # torchrun; plain `python x.py`: no group
-        kw = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
-        # torchrun's store outlives a failed attempt (--max_restarts): the ranks of the next
-        # one would read the dead attempt's addresses from it and fail to connect. Each
-        # attempt gets its own prefix in the store, as the env:// rendezvous makes it.
-        store, rank, world = next(dist.rendezvous("env://", **kw))
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        kw.update(store=dist.PrefixStore(f"attempt{attempt}/", store), rank=rank, world_size=world)
-        if cuda:  # device_id makes NCCL create its communicator now, with every rank present
-            dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank), **kw)
-        else:
-            dist.init_process_group("gloo", **kw)
-        _we_created_group = True
-    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+        _make_group(timeout_s, device)
     return get_rank(), get_world_size(), local_rank, device
 
 
+def _visible_gpu(local_rank):
+    """This process's GPU: its local rank's among all of the node's, or the only one it sees
+    (one GPU per process, as some SLURM set-ups give it)."""
+    count = torch.cuda.device_count()
+    if count == 1 or local_rank < count:
+        return torch.device("cuda", 0 if count == 1 else local_rank)
+    print(f"error: rank {os.environ.get('RANK', '0')}: LOCAL_RANK={local_rank} but this process sees {count} GPUs "
+          f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): give each process all of "
+          "its node's GPUs, or exactly one", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+def _make_group(timeout_s, device):
+    global _we_created_group, _timeout_s, _group_timeout, _store
+    kw = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
+    # torchrun's store outlives a failed attempt (--max_restarts): the ranks of the next
+    # one would read the dead attempt's addresses from it and fail to connect. Each
+    # attempt gets its own prefix in the store, as the env:// rendezvous makes it.
+    store, rank, world = next(dist.rendezvous("env://", **kw))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    _store = dist.PrefixStore(f"attempt{attempt}/", store)
+    nccl = device.type == "cuda"
+    if nccl and timeout_s is not None:
+        # On NCCL a wait does not block the CPU, so our own deadline is checked only where
+        # the CPU waits (barrier, gather_stats); the watchdog, which aborts the process at
+        # the group's timeout, comes a grace period later, so that those waits report first.
+        kw["timeout"] = datetime.timedelta(seconds=timeout_s + NCCL_GRACE_S)
+    kw.update(store=_store, rank=rank, world_size=world)
+    if nccl:  # device_id makes NCCL create its communicator now, with every rank present
+        dist.init_process_group("nccl", device_id=device, **kw)
+    else:
+        dist.init_process_group("gloo", **kw)
+    _we_created_group, _timeout_s, _group_timeout = True, timeout_s, kw.get("timeout")
+
+
 def shutdown():
-    """Stop the async worker; destroy the process group only if init_distributed made it."""
-    global _we_created_group
-    _stop_worker()  # runs everything still queued first
+    """Stop the async workers; destroy the process group only if init_distributed made it."""
+    global _we_created_group, _timeout_s, _group_timeout, _store
+    _stop_workers()  # runs everything still queued first
     if _we_created_group and _initialized():
         # torch < ~2.6 destroys an NCCL group by aborting its communicator, in-flight work
         # included, and waiting on NCCL work does not block the CPU: a rank that got here
@@ -107,7 +582,7 @@ def shutdown():
             barrier()
         finally:
             dist.destroy_process_group()
-    _we_created_group = False
+    _we_created_group, _timeout_s, _group_timeout, _store = False, None, None, None
 
 
 def _initialized():
@@ -151,7 +626,7 @@ def _index_of(root, ranks, what):
 
 def _comm_device(group):
     """Where a scratch tensor for this group must live: NCCL moves only GPU memory."""
-    if _initialized() and dist.get_backend(_world(group)) == "nccl":
+    if _is_nccl(group):
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
@@ -167,7 +642,7 @@ def new_group(ranks):
     if not _initialized():
         return None  # one rank, so the group is the whole world
     _drain()  # the split must not interleave with our worker's messages on the world
-    group = dist.new_group(ranks)
+    group = dist.new_group(ranks, timeout=_group_timeout)  # None: torch's default, not the world's
     if get_rank() not in ranks:
         return None
     # Create the communicator now, with every member present. Before torch 2.5 NCCL members
@@ -265,17 +740,20 @@ def _comm_error(e, messages, ranks, doing):
     return CommError(f"rank {get_rank()}: {_running.op[0]} on ranks {ranks} {doing} {peers}: {first}")
 
 
-def _run(steps, group, depth=1):
+def _run(steps, group, depth=1, block=False, timeout_s=None):
     """Run the steps in order with up to `depth` of them posted: step i's then() runs while
     steps i+1.. are already moving. So a step may only send what a then() at least `depth`
-    steps earlier produced (the rings keep depth <= segments per chunk to guarantee it)."""
+    steps earlier produced (the rings keep depth <= segments per chunk to guarantee it).
+    block: the CPU waits for every message (on NCCL too); timeout_s: that wait's deadline
+    instead of the group's."""
     ranks = group_ranks(group)
+    poll = block and _is_nccl(group)
     posted = deque(_post(steps[i], group, ranks) for i in range(min(depth, len(steps))))
     for i, (_, _, then) in enumerate(steps):
         works, messages = posted.popleft()
         for j, work in enumerate(works):
             try:
-                work.wait()
+                _wait(work, poll, timeout_s)
             except RuntimeError as e:
                 # gloo returns a work per message, so the messages from the failed one on are
                 # still awaited; NCCL returns one work for the whole step: all of them are
@@ -288,126 +766,42 @@ def _run(steps, group, depth=1):
             posted.append(_post(steps[i + depth], group, ranks))
 
 
-def _pieces(t, parts):
-    """Cut flat t into `parts` contiguous views whose sizes differ by at most one element."""
-    q, r = divmod(t.numel(), parts)
-    starts = [i * q + min(i, r) for i in range(parts + 1)]
-    return [t[starts[i]:starts[i + 1]] for i in range(parts)]
-
-# ----------------------------------------------------------------------------- algorithms
-
-# Ring reduce-scatter: cut the data in N chunks. In step s rank r passes its partial sum
-# of chunk r-s-1 to the right and adds the partial of chunk r-s-2 arriving from the left;
-# after N-1 steps rank r holds chunk r summed over all. Cost (N-1)alpha + (N-1)/N S/beta
-# + (N-1)/N S gamma: each rank sends (N-1)/N S, the least possible, since it must receive
-# that much it does not have; but the alphas grow with N.
-# Pipelining, as gloo's own ring does it: chunks are cut into segments and while one is
-# being added the next is on the wire, about max(wire, adder) instead of their sum, for
-# more alphas. Measured here: 4 MB segments. Smaller ones lost, as each costs ~0.2 ms of
-# CPU (Python, gloo's handshake, wake-ups), and 4 ranks on 2 cores have no idle wire to
-# overlap with; at 2 ranks (a core each) splitting a 8 MB chunk in two won ~15%.
-
-def _ring_reduce_scatter(src, me, n, left, right, combine, mine=None):
-    """-> (steps, depth). Rank me ends with chunk me reduced: in place in src if mine is None
-    (all_reduce), else src is only read, partials pass through two scratch chunks and the
-    result lands in `mine`."""
-    chunks = _pieces(src, n)
-    if mine is None:
-        out = lambda s, c: chunks[c]  # noqa: E731
-    else:
-        scratch = [torch.empty_like(chunks[0]) for _ in range(min(2, n - 2))]
-        out = lambda s, c: mine if s == n - 2 else scratch[s % 2][:chunks[c].numel()]  # noqa: E731
-    nseg = max(1, -(-chunks[0].numel() * src.element_size() // SEGMENT_BYTES))
-    depth = min(PIPELINE_DEPTH, nseg)
-    tmps = [torch.empty_like(_pieces(chunks[0], nseg)[0]) for _ in range(depth)]
-    steps = []
-    for s in range(n - 1):
-        c_send, c_recv = (me - s - 1) % n, (me - s - 2) % n
-        send = chunks[c_send] if s == 0 else out(s - 1, c_send)
-        for a, b, o in zip(_pieces(send, nseg), _pieces(chunks[c_recv], nseg), _pieces(out(s, c_recv), nseg)):
-            tmp = tmps[len(steps) % depth][:b.numel()]
-            steps.append(([(a, right)], [(tmp, left)], functools.partial(combine, b, tmp, out=o)))
-    return steps, depth
+def _wait(work, poll, timeout_s):
+    """gloo's wait blocks the CPU, up to the group's timeout or timeout_s. NCCL's only makes the
+    current stream wait (the watchdog aborts the process at the group's timeout), and its
+    wait(timeout) blocks only from torch ~2.5 on: so where we must block, we poll, with our
+    own deadline, and a timeout is a CommError like gloo's."""
+    if not poll:
+        return work.wait() if timeout_s is None else work.wait(datetime.timedelta(seconds=timeout_s))
+    work.wait()
+    limit = timeout_s if timeout_s is not None else _timeout_s
+    deadline = None if limit is None else time.monotonic() + limit
+    while not work.is_completed():
+        if deadline is not None and time.monotonic() > deadline:
+            raise RuntimeError(f"timed out after {limit} s (checked on the CPU)")
+        time.sleep(0.0002)
 
 
-# Ring all-gather: rank r starts with chunk r; in step s it forwards chunk r-s to the right
-# and receives chunk r-s-1 from the left straight into place. (N-1)alpha + (N-1)/N S/beta.
-
-def _ring_all_gather(chunks, me, n, left, right):
-    nseg = max(1, -(-chunks[0].numel() * chunks[0].element_size() // SEGMENT_BYTES))
-    steps = [([(a, right)], [(b, left)], None) for s in range(n - 1)
-             for a, b in zip(_pieces(chunks[(me - s) % n], nseg), _pieces(chunks[(me - s - 1) % n], nseg))]
-    return steps, min(PIPELINE_DEPTH, nseg)
-
-
-# Binomial trees, numbered from the root (v = my distance from it). Broadcast: in the round
-# of `mask` the ranks v < mask, which have the data, send it to v + mask, so the holders
-# double each round: ceil(log2 N) rounds of (alpha + S/beta), N-1 messages of S in all.
-# Few alphas, so trees win for small S. (For a huge S on many ranks, scatter + ring
-# all-gather, ~2 S/beta, beats log2(N) S/beta; at N=4 here it lost, so broadcast stays a tree.)
-
-def _tree_broadcast(buf, root, me, n, ranks):
-    v, steps, mask = (me - root) % n, [], 1
-    while mask < n:
-        if v < mask and v + mask < n:
-            steps.append(([(buf, ranks[(root + v + mask) % n])], [], None))
-        elif mask <= v < 2 * mask:
-            steps.append(([], [(buf, ranks[(root + v - mask) % n])], None))
-        mask <<= 1
-    return steps
-
-
-# Reduce is that tree run backwards: in round `mask` a rank with bit `mask` set hands the
-# partial of its subtree to v - mask and is done; the others add the partial of v + mask.
-# ceil(log2 N) rounds of (alpha + S/beta + S gamma), all the adding on the way to the root.
-
-def _tree_reduce(src, root, me, n, ranks, combine, acc=None):
-    """Partials go to acc (allocated if None and needed), src is only read."""
-    v, steps, mask, tmp = (me - root) % n, [], 1, None
-    while mask < n:
-        if v & mask:
-            steps.append(([(src if tmp is None else acc, ranks[(root + v - mask) % n])], [], None))
-            break
-        if v + mask < n:
-            first = tmp is None
-            if first:
-                tmp = torch.empty_like(src)
-                acc = torch.empty_like(src) if acc is None else acc
-            steps.append(([], [(tmp, ranks[(root + v + mask) % n])],
-                          functools.partial(combine, src if first else acc, tmp, out=acc)))
-        mask <<= 1
-    return steps
-
-
-# Scatter and gather: the root talks to each rank directly, all messages in one step.
-# (N-1)alpha + (N-1)/N S/beta, all on the root's link, which has to carry (N-1)/N S
-# whatever the algorithm: a tree would only save alphas.
-
-def _scatter_step(pieces, mine, root, me, ranks):
-    if me == root:
-        return [(p, ranks[i]) for i, p in enumerate(pieces) if i != me], [], None
-    return [], [(mine, ranks[root])], None
-
-
-def _gather_step(pieces, mine, root, me, ranks):
-    if me == root:
-        return [], [(p, ranks[i]) for i, p in enumerate(pieces) if i != me], None
-    return [(mine, ranks[root])], [], None
+def _is_nccl(group):
+    return _initialized() and dist.get_backend(_world(group)) == "nccl"
 
 # ----------------------------------------------------------------------------- async
 
-# One background worker thread per process runs the submitted ops in FIFO order, so all
-# ranks run their collectives in the order they were called and their messages match. A
-# synchronous call runs inline when nothing is queued, else it queues and waits, so it
-# never overtakes an async op. On gloo the overlap comes from the thread itself: gloo
-# releases the GIL while bytes move, and the main thread computes meanwhile. On CUDA the
-# worker runs the op on a side stream that first waits for an event recorded on the
-# caller's stream (so it sees finished inputs); wait() makes the caller's current stream
-# wait for an event recorded after the op: ordered on the GPU, the CPU does not block.
-# As with torch.distributed, an async op's tensors are the op's until wait(): on gloo the
-# worker reads the input whenever it gets to it, so the caller must not change it before.
-# Never call torch.distributed itself on a group while an op of ours may be queued: the
-# two threads would put their messages on the wire in a different order on each rank.
+# One worker thread and one queue per process group run that group's submitted ops in FIFO
+# order, so all ranks run a group's collectives in the order they were called and their
+# messages match. Order is only needed within a group: in 3-D the tensor-parallel
+# all-reduce on the critical path must not queue behind the data-parallel buckets. A
+# synchronous call runs inline when nothing of its group is queued, else it queues and
+# waits, so it never overtakes an async op of its group. On gloo the overlap comes from the
+# threads: gloo releases the GIL while bytes move, and the main thread computes meanwhile.
+# On CUDA each worker runs its ops on a side stream of its own that first waits for an
+# event recorded on the caller's stream (so it sees finished inputs); wait() makes the
+# caller's current stream wait for an event recorded after the op: ordered on the GPU, the
+# CPU does not block. As with torch.distributed, an async op's tensors are the op's until
+# wait(): on gloo the worker reads the input whenever it gets to it, so the caller must not
+# change it before. Never call torch.distributed itself on a group while an op of ours may
+# be queued on it: the two threads would put their messages on the wire in a different
+# order on each rank.
 
 class Handle:
     def __init__(self, fn, device):
@@ -426,15 +820,28 @@ class Handle:
         return True
 
 
-_queue, _worker, _pending = None, None, 0  # _pending: ops queued or running on the worker, under _lock
+class _Worker:
+    """A group's thread and queue; pending: its ops queued or running, under _lock."""
+
+    def __init__(self, key):
+        self.queue, self.pending = queue.Queue(), 0
+        self.thread = threading.Thread(target=_work_loop, args=(self,), daemon=True, name=f"collectives {key}")
+        self.thread.start()
+
+
+_workers = {}  # the group (None: no process group at all) -> its _Worker, under _lock
+
+
+def _key(group):
+    return _world(group) if _initialized() else None
 
 
 def _execute(name, tracked, fn):
-    # The op's name is kept even when untracked, for CommError. Thread-local, as the worker
-    # and the caller each run ops (never at once: a sync op runs inline only when none is
-    # queued). no_grad: grad mode is per thread, and without it a sync op queued behind async
-    # ones (so run by the worker, where grad mode is on) would record autograd history on
-    # tensors that require grad, and the same op run inline under no_grad would not.
+    # The op's name is kept even when untracked, for CommError. Thread-local, as the workers
+    # and the caller each run ops (never two of one group at once: a sync op runs inline only
+    # when none of its group is queued). no_grad: grad mode is per thread, and without it a
+    # sync op queued behind async ones (so run by a worker, where grad mode is on) would record
+    # autograd history on tensors that require grad, and the same op run inline would not.
     _running.op = (name, tracked)
     try:
         with torch.no_grad():
@@ -443,57 +850,67 @@ def _execute(name, tracked, fn):
         _running.op = None
 
 
-def _work_loop(q):
-    global _pending
-    streams = {}
-    while (job := q.get()) is not None:
-        name, tracked, fn, device, ready, handle = job
-        try:
-            if ready is None:
-                _execute(name, tracked, fn)
-            else:
-                if device not in streams:
-                    streams[device] = torch.cuda.Stream(device)
-                stream = streams[device]
-                with torch.cuda.device(device), torch.cuda.stream(stream):
-                    stream.wait_event(ready)
-                    _execute(name, tracked, fn)
-                    handle._event = torch.cuda.Event()
-                    handle._event.record(stream)
-        except BaseException as e:  # raised again at wait()
-            handle._error = e
+def _run_job(streams, name, tracked, fn, device, ready, handle):
+    try:
+        if ready is None:
+            _execute(name, tracked, fn)
+            return
+        if device not in streams:
+            streams[device] = torch.cuda.Stream(device)
+        stream = streams[device]
+        with torch.cuda.device(device), torch.cuda.stream(stream):
+            stream.wait_event(ready)
+            _execute(name, tracked, fn)
+            handle._event = torch.cuda.Event()
+            handle._event.record(stream)
+    except BaseException as e:  # raised again at wait()
+        handle._error = e
+
+
+def _work_loop(worker):
+    streams = {}  # this group's side stream on each device
+    while True:
+        job = worker.queue.get()
+        if job is None:
+            return
+        handle = job[-1]
+        _run_job(streams, *job)
+        # Drop the op (its closure holds its tensors) now, not when the next job arrives:
+        # FSDP's last reduce-scatter input would otherwise outlive the optimizer step.
+        job = None
         with _lock:
-            _pending -= 1
+            worker.pending -= 1
         handle._done.set()
+        handle = None
 
 
-def _stop_worker(timeout=None):
-    """Let the worker finish what is queued, then end it. No timeout (shutdown): it must be
-    gone before anything runs inline, or its last ops and those would be on the wire at once."""
-    global _queue, _worker
-    if _worker is not None:
-        _queue.put(None)  # after everything queued before it
-        _worker.join(timeout)
+def _stop_workers(timeout=None):
+    """Let each worker finish what is queued, then end it. No timeout (shutdown): they must be
+    gone before anything runs inline, or their last ops and those would be on the wire at once."""
     with _lock:
-        _queue, _worker = None, None
+        workers = list(_workers.values())
+    for w in workers:
+        w.queue.put(None)  # after everything queued before it
+    for w in workers:
+        w.thread.join(timeout)
+    with _lock:
+        _workers.clear()
 
 
-atexit.register(_stop_worker, 10)
+atexit.register(_stop_workers, 10)
 
 
-def _launch(name, fn, async_op, device):
-    """Run fn now, or hand it to the worker; traffic is charged to `name` unless untracked()."""
-    global _queue, _worker, _pending
+def _launch(name, fn, async_op, device, group=None):
+    """Run fn now, or hand it to the group's worker; traffic is charged to `name` unless untracked()."""
     tracked = _untracked_depth == 0  # decided when the op is issued, not when it runs
+    key = _key(group)
     with _lock:
-        inline = not async_op and _pending == 0
+        worker = _workers.get(key)
+        inline = not async_op and (worker is None or worker.pending == 0)
         if not inline:
-            _pending += 1
-            if _worker is None:  # under the lock: two issuing threads must not start two workers
-                _queue = queue.Queue()
-                _worker = threading.Thread(target=_work_loop, args=(_queue,), daemon=True, name="collectives")
-                _worker.start()
-            q = _queue
+            if worker is None:  # under the lock: two issuing threads must not start two workers
+                worker = _workers[key] = _Worker(key)
+            worker.pending += 1
     if inline:
         return _execute(name, tracked, fn)
     ready = None
@@ -501,15 +918,18 @@ def _launch(name, fn, async_op, device):
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(device))
     handle = Handle(fn, device)
-    q.put((name, tracked, fn, device, ready, handle))
+    worker.queue.put((name, tracked, fn, device, ready, handle))
     if async_op:
         return handle
     handle.wait()
 
 
 def _drain():
-    """Return once the worker has run everything queued: a sync no-op never overtakes."""
-    _launch("drain", lambda: None, False, torch.device("cpu"))
+    """Return once every worker has run everything queued: a sync no-op per group never overtakes."""
+    with _lock:
+        keys = list(_workers)
+    for key in keys:
+        _launch("drain", lambda: None, False, torch.device("cpu"), key)
 
 # ----------------------------------------------------------------------------- argument checks
 
@@ -545,286 +965,3 @@ def _flat(t):
 def _copy_back(t, flat):
     if not t.is_contiguous():
         t.copy_(flat.view(t.shape))
-
-# ----------------------------------------------------------------------------- the collectives
-
-
-def send(tensor, dst, group=None, async_op=False):
-    me, n, ranks = _members(group)
-    _check(_index_of(dst, ranks, "dst") != me, "send: never send to yourself")
-    return _launch("send", lambda: _run([([(_flat(tensor), dst)], [], None)], group), async_op, tensor.device)
-
-
-def recv(tensor, src, group=None, async_op=False):
-    me, n, ranks = _members(group)
-    _check(_index_of(src, ranks, "src") != me, "recv: never receive from yourself")
-
-    def fn():
-        flat = _flat(tensor)
-        _run([([], [(flat, src)], None)], group)
-        _copy_back(tensor, flat)
-    return _launch("recv", fn, async_op, tensor.device)
-
-
-def broadcast(tensor, src, group=None, async_op=False):
-    me, n, ranks = _members(group)
-    root = _index_of(src, ranks, "src")
-
-    def fn():
-        flat = _flat(tensor)
-        _run(_tree_broadcast(flat, root, me, n, ranks), group)
-        _copy_back(tensor, flat)
-    return _launch("broadcast", fn, async_op, tensor.device)
-
-
-def reduce(tensor, dst, op="sum", group=None, async_op=False):
-    """Result on dst; the other ranks' tensors are left as they were (partials go to scratch).
-    Large S: ring reduce-scatter + gather (Rabenseifner), so that every rank does 1/N of the
-    adding and the root receives (N-1)/N S instead of ceil(log2 N) S."""
-    me, n, ranks = _members(group)
-    root, op = _index_of(dst, ranks, "dst"), _op(op, tensor.dtype)
-
-    def fn():
-        flat = _flat(tensor)
-        if flat.numel() * flat.element_size() < LARGE_REDUCE_BYTES or flat.numel() < n:
-            _run(_tree_reduce(flat, root, me, n, ranks, _COMBINE[op], flat if me == root else None), group)
-        else:
-            chunks = _pieces(flat, n)
-            mine = chunks[me] if me == root else torch.empty_like(chunks[me])
-            steps, depth = _ring_reduce_scatter(flat, me, n, ranks[(me - 1) % n], ranks[(me + 1) % n],
-                                                _COMBINE[op], mine)
-            _run(steps, group, depth)
-            _run([_gather_step(chunks, mine, root, me, ranks)], group)
-        if me == root:
-            if op == "avg":
-                flat.div_(n)
-            _copy_back(tensor, flat)
-    return _launch("reduce", fn, async_op, tensor.device)
-
-
-def all_reduce(tensor, op="sum", group=None, async_op=False):
-    """Ring reduce-scatter, then ring all-gather: 2(N-1)alpha + 2(N-1)/N S/beta. For a small S
-    the 2(N-1) alphas dominate, so there: tree reduce to rank 0 + tree broadcast, 2 log2(N)."""
-    me, n, ranks = _members(group)
-    op = _op(op, tensor.dtype)
-
-    def fn():
-        flat = _flat(tensor)
-        if flat.numel() * flat.element_size() < SMALL_ALL_REDUCE_BYTES or flat.numel() < n:
-            _run(_tree_reduce(flat, 0, me, n, ranks, _COMBINE[op], flat), group)
-            _run(_tree_broadcast(flat, 0, me, n, ranks), group)
-        else:
-            left, right = ranks[(me - 1) % n], ranks[(me + 1) % n]
-            rs, depth = _ring_reduce_scatter(flat, me, n, left, right, _COMBINE[op])
-            ag, _ = _ring_all_gather(_pieces(flat, n), me, n, left, right)
-            _run(rs + ag, group, depth)  # one pipeline: the all-gather starts as the last sums finish
-        if op == "avg":
-            flat.div_(n)
-        _copy_back(tensor, flat)
-    return _launch("all_reduce", fn, async_op, tensor.device)
-
-
-def reduce_scatter(output, input, op="sum", group=None, async_op=False):
-    """As dist.reduce_scatter_tensor: input has N * output elements; rank i gets chunk i reduced."""
-    me, n, ranks = _members(group)
-    op = _op(op, input.dtype)
-    _check_pair(output, input, output.numel() * n, input.numel(), "reduce_scatter (input = world_size * output)")
-
-    def fn():
-        out, src = _flat(output), _flat(input)
-        steps, depth = _ring_reduce_scatter(src, me, n, ranks[(me - 1) % n], ranks[(me + 1) % n], _COMBINE[op], out)
-        _run(steps, group, depth)
-        if n == 1:
-            out.copy_(src)
-        if op == "avg":
-            out.div_(n)
-        _copy_back(output, out)
-    return _launch("reduce_scatter", fn, async_op, input.device)
-
-
-def all_gather(output, input, group=None, async_op=False):
-    """As dist.all_gather_into_tensor: output has N * input elements, rank-major."""
-    me, n, ranks = _members(group)
-    _check_pair(output, input, output.numel(), input.numel() * n, "all_gather (output = world_size * input)")
-
-    def fn():
-        out = _flat(output)
-        chunks = _pieces(out, n)
-        chunks[me].copy_(input.reshape(-1))
-        steps, depth = _ring_all_gather(chunks, me, n, ranks[(me - 1) % n], ranks[(me + 1) % n])
-        _run(steps, group, depth)
-        _copy_back(output, out)
-    return _launch("all_gather", fn, async_op, input.device)
-
-
-def scatter(output, input, src, group=None, async_op=False):
-    """Piece i of src's input (N * output elements; None elsewhere) lands in rank i's output."""
-    me, n, ranks = _members(group)
-    root = _index_of(src, ranks, "src")
-    _check(me != root or input is not None, "scatter: input is required on src")
-    if input is not None:  # checked wherever it is given, not only on src
-        _check_pair(output, input, output.numel() * n, input.numel(), "scatter (input = world_size * output)")
-
-    def fn():
-        out, pieces = _flat(output), None
-        if me == root:
-            pieces = _pieces(_flat(input), n)
-            out.copy_(pieces[me])
-        _run([_scatter_step(pieces, out, root, me, ranks)], group)
-        _copy_back(output, out)
-    return _launch("scatter", fn, async_op, output.device)
-
-
-def gather(output, input, dst, group=None, async_op=False):
-    """Rank i's input lands in piece i of dst's output (N * input elements; None elsewhere)."""
-    me, n, ranks = _members(group)
-    root = _index_of(dst, ranks, "dst")
-    _check(me != root or output is not None, "gather: output is required on dst")
-    if output is not None:
-        _check_pair(output, input, output.numel(), input.numel() * n, "gather (output = world_size * input)")
-
-    def fn():
-        out = pieces = None
-        if me == root:
-            out = _flat(output)
-            pieces = _pieces(out, n)
-            pieces[me].copy_(input.reshape(-1))
-        _run([_gather_step(pieces, _flat(input), root, me, ranks)], group)
-        if me == root:
-            _copy_back(output, out)
-    return _launch("gather", fn, async_op, input.device)
-
-
-def _rows(t):
-    return t.shape[0] if t.dim() else 1
-
-
-def _split_sizes(sizes, t, n, what):
-    """-> the rows of t going to (input) or coming from (output) each rank, checked."""
-    if sizes is None:
-        _check(_rows(t) % n == 0, f"all_to_all: dim 0 of the {what} ({_rows(t)}) does not split equally into {n} ranks")
-        return [_rows(t) // n] * n
-    try:
-        sizes = [operator.index(s) for s in sizes]
-    except TypeError:
-        raise ValueError(f"all_to_all: {what}_split_sizes must be whole numbers, got {sizes}") from None
-    _check(len(sizes) == n, f"all_to_all: {what}_split_sizes has {len(sizes)} entries for {n} ranks")
-    _check(min(sizes) >= 0, f"all_to_all: negative {what}_split_sizes {sizes}")
-    _check(sum(sizes) == _rows(t), f"all_to_all: {what}_split_sizes {sizes} do not add up to dim 0 ({_rows(t)})")
-    return sizes
-
-
-def _row_pieces(flat, sizes, row):
-    """Cut flat into consecutive views of sizes[i] rows of `row` elements."""
-    ends = [0]
-    for s in sizes:
-        ends.append(ends[-1] + s * row)
-    return [flat[ends[i]:ends[i + 1]] for i in range(len(sizes))]
-
-
-def all_to_all(output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):
-    """As dist.all_to_all_single: input's dim 0 is cut into input_split_sizes[i] rows for rank
-    i (None: N equal parts), and what rank j sends lands in output's part j, cut the same way
-    by output_split_sizes. The rows rank i sends rank j must be the rows rank j expects from
-    rank i: checking that would cost a message, so a mismatch times out (CommError).
-    Pairwise exchange: in step k rank r sends to r+k and receives from r-k, so every rank has
-    one partner each way per step and no link is oversubscribed: (N-1)(alpha + S/N/beta) for
-    equal splits. The steps are independent, so all of them go on the wire at once."""
-    me, n, ranks = _members(group)
-    _check(output.dtype == input.dtype, f"all_to_all: output dtype {output.dtype} != input dtype {input.dtype}")
-    _check(output.device == input.device, "all_to_all: output and input are on different devices")
-    _check(output.shape[1:] == input.shape[1:],
-           f"all_to_all: rows of different shapes ({tuple(output.shape[1:])} vs {tuple(input.shape[1:])})")
-    outs = _split_sizes(output_split_sizes, output, n, "output")
-    ins = _split_sizes(input_split_sizes, input, n, "input")
-    _check(ins[me] == outs[me], f"all_to_all: this rank sends itself {ins[me]} rows but expects {outs[me]}")
-    row = math.prod(input.shape[1:])
-
-    def fn():
-        out = _flat(output)
-        send, recv = _row_pieces(_flat(input), ins, row), _row_pieces(out, outs, row)
-        recv[me].copy_(send[me])
-        # _post skips an empty piece; the peer's matching piece is empty too, so it skips the
-        # receive: no empty messages, and the two sides still pair up
-        _run([([(send[(me + k) % n], ranks[(me + k) % n])], [(recv[(me - k) % n], ranks[(me - k) % n])], None)
-              for k in range(1, n)], group, max(1, n - 1))
-        _copy_back(output, out)
-    return _launch("all_to_all", fn, async_op, input.device)
-
-
-def barrier(group=None):
-    """Nobody leaves before everybody has arrived: a tree all_reduce of one element, untracked.
-    Every rank's result depends on every rank having sent, so it cannot finish early; on
-    NCCL the wait only orders the stream, and .item() is what blocks the CPU until then."""
-    if not _initialized():
-        return
-    me, n, ranks = _members(group)
-    t = torch.zeros(1, device=_comm_device(group))
-
-    def fn():
-        _run(_tree_reduce(t, 0, me, n, ranks, torch.add, t), group)
-        _run(_tree_broadcast(t, 0, me, n, ranks), group)
-    with untracked():
-        _launch("barrier", fn, False, t.device)
-    t.item()
-
-
-def gather_stats(values, group=None):
-    """A few numbers from every rank (loss, bytes sent, memory...) gathered to the group's
-    first rank for the log: values is {name: number}, the same names in the same order on
-    every rank. -> {name: [the value on each rank of the group]} there, None elsewhere.
-    Bookkeeping, so its own traffic is not counted."""
-    _check(isinstance(values, dict), f"gather_stats: values must be {{name: number}}, not {type(values).__name__}")
-    me, n, ranks = _members(group)
-    if n == 1:  # one rank: nothing to gather, nothing launched
-        return {k: [float(v)] for k, v in values.items()}
-    names, device = list(values), _comm_device(group)
-    mine = torch.tensor([float(values[k]) for k in names], dtype=torch.float64, device=device)
-    rows = torch.empty(n * len(names), dtype=torch.float64, device=device) if me == 0 else None
-    with untracked():
-        gather(rows, mine, ranks[0], group)
-    return dict(zip(names, rows.view(n, len(names)).t().tolist())) if me == 0 else None
-
-
-def sendrecv(send_tensor, dst, recv_tensor, src, group=None, async_op=False):
-    """The pipeline's primitive (and the attention ring's): send send_tensor to dst and receive recv_tensor from src,
-    both posted at once (one batch_isend_irecv: one NCCL group call), as MPI_Sendrecv.
-    Either may be None. Two neighbours that each send to the other before receiving deadlock
-    with blocking send/recv (NCCL, and gloo for large messages, hand a message over only once
-    its receiver has posted); posting each rank's send and receive together cannot."""
-    me, n, ranks = _members(group)
-    if send_tensor is not None:
-        _check(_index_of(dst, ranks, "dst") != me, "sendrecv: never send to yourself")
-    if recv_tensor is not None:
-        _check(_index_of(src, ranks, "src") != me, "sendrecv: never receive from yourself")
-    if send_tensor is None and recv_tensor is None:
-        return None
-
-    def fn():
-        sends = [(_flat(send_tensor), dst)] if send_tensor is not None else []
-        flat = _flat(recv_tensor) if recv_tensor is not None else None
-        _run([(sends, [(flat, src)] if flat is not None else [], None)], group)
-        if flat is not None:
-            _copy_back(recv_tensor, flat)
-    device = (send_tensor if send_tensor is not None else recv_tensor).device
-    return _launch("sendrecv", fn, async_op, device)
-
-
-def batch_sendrecv(sends, recvs, group=None, async_op=False):
-    """sendrecv for several messages: every (tensor, dst) of sends and (tensor, src) of recvs
-    posted at once (one batch_isend_irecv), as the interleaved pipeline's steady state posts
-    its two sends and two receives. Messages between two ranks match in list order."""
-    me, n, ranks = _members(group)
-    for _, dst in sends:
-        _check(_index_of(dst, ranks, "dst") != me, "batch_sendrecv: never send to yourself")
-    for _, src in recvs:
-        _check(_index_of(src, ranks, "src") != me, "batch_sendrecv: never receive from yourself")
-    if not sends and not recvs:
-        return None
-
-    def fn():
-        flats = [_flat(t) for t, _ in recvs]
-        _run([([(_flat(t), dst) for t, dst in sends], [(f, src) for f, (_, src) in zip(flats, recvs)], None)], group)
-        for (t, _), f in zip(recvs, flats):
-            _copy_back(t, f)
-    return _launch("sendrecv", fn, async_op, (sends or recvs)[0][0].device)

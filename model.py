@@ -1044,6 +1044,7 @@ class Logger:
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 _last_saved = ""
+CKPT_WAIT_S = 3600  # the checkpoint's barriers wait on disks (writing, hashing), not on the wire
 
 
 def checkpoint_due(cfg, step):
@@ -1086,7 +1087,7 @@ def save_checkpoint(run, step, folder=None):
         shutil.rmtree(tmp, ignore_errors=True)  # the leftover of a crash
         os.makedirs(tmp)
     with C.untracked():
-        C.barrier()
+        C.barrier(timeout_s=max(CKPT_WAIT_S, run.cfg.timeout_s))
     tensors, pieces = {}, []
     for name, param, index, write in run.entries:
         if not write:
@@ -1104,7 +1105,7 @@ def save_checkpoint(run, step, folder=None):
     with open(path + ".json", "w") as f:
         json.dump(info, f)
     with C.untracked():
-        C.barrier()  # every rank's file is complete
+        C.barrier(timeout_s=max(CKPT_WAIT_S, run.cfg.timeout_s))  # every rank's file is complete
     if run.rank == 0:
         files = []
         for r in range(run.world):

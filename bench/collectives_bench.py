@@ -3,6 +3,7 @@ collectives.py's hand-written collectives against torch.distributed's own, in on
 
     torchrun --nproc_per_node=4 bench/collectives_bench.py
     torchrun --nproc_per_node=4 bench/collectives_bench.py --sizes=16M,64M --segment_bytes=1M
+    torchrun --nproc_per_node=4 bench/collectives_bench.py --backend=gloo   # CPU ranks on a GPU machine
 
 S is the whole buffer, as in nccl-tests. time: the median over --iters runs of the slowest
 rank (a collective takes as long as its slowest rank); algbw = S/time; busbw = algbw times
@@ -89,6 +90,8 @@ def main():
     p.add_argument("--iters", type=_count, default=10)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--ops", type=_ops, default=",".join(OPS))
+    p.add_argument("--backend", choices=("auto", "gloo"), default="auto",
+                   help="auto: NCCL on GPUs, else gloo; gloo: CPU ranks even on a GPU machine")
     for knob in KNOBS:  # --segment_bytes=4M and so on, to measure the choices in collectives.py
         p.add_argument("--" + knob.lower(), type=_count if knob == "PIPELINE_DEPTH" else _size,
                        default=getattr(C, knob))
@@ -96,7 +99,7 @@ def main():
     for knob in KNOBS:
         setattr(C, knob, getattr(args, knob.lower()))
     warnings.filterwarnings("ignore", category=FutureWarning)  # all_gather_into_tensor & co. on torch >= 2.12
-    rank, n, _, device = C.init_distributed()
+    rank, n, _, device = C.init_distributed(backend=None if args.backend == "auto" else args.backend)
     grouped = dist.is_available() and dist.is_initialized()
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     if rank == 0:

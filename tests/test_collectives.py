@@ -12,6 +12,7 @@ import os
 import sys
 import time
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -254,6 +255,29 @@ def run_async_ops(rank, n):
     same(got_ag, want, "async all_gather")
     same(got_rs, builtin_all_reduce(xs, "max")[rank * 1001:(rank + 1) * 1001], "async reduce_scatter")
     same(got_b, builtin_all_reduce(b, "min"), "async all_reduce min")
+
+
+def check_groups_independent(rank, n):
+    """At world 3: an async op on {0,1} whose peer joins late must not delay a sync op on
+    {0,2}. Rank 1 joins only once rank 2 says the op on {0,2} is done, so if rank 0's sync op
+    queued behind its async one (one queue for every group), the three would wait on each
+    other until the groups' timeout, and rank 0 would raise CommError."""
+    timeout = datetime.timedelta(seconds=15)
+    g01, g02 = dist.new_group([0, 1], timeout=timeout), dist.new_group([0, 2], timeout=timeout)
+    g12 = dist.new_group([1, 2])
+    a, b, go = torch.full((1000,), float(rank)), torch.full((1000,), float(rank)), torch.zeros(1)
+    if rank == 0:
+        h = C.all_reduce(a, group=g01, async_op=True)
+        C.all_reduce(b, group=g02)  # (rank 1 may have joined by now: rank 2 signals it as soon as it has b)
+        h.wait()
+        assert torch.equal(a, torch.full((1000,), 1.0)) and torch.equal(b, torch.full((1000,), 2.0))
+    elif rank == 1:
+        dist.recv(go, 2, group=g12)  # the built-in, on a group of its own: a signal, not our traffic
+        C.all_reduce(a, group=g01)
+    else:
+        C.all_reduce(b, group=g02)
+        dist.send(go, 1, group=g12)
+    C.barrier()
 
 
 def check_bytes(rank, n):
@@ -526,6 +550,8 @@ def all_checks(rank, n):
     check_all_to_all_splits(rank, n)
     check_world_is_explicit(rank, n)
     check_stats_and_barrier(rank, n)
+    if n == 3:
+        check_groups_independent(rank, n)
     if n == 4:
         check_subgroups(rank, n)
         check_group_bytes(rank, n)
@@ -535,7 +561,7 @@ def all_checks(rank, n):
     return result
 
 
-@pytest.mark.parametrize("n", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("n", [1, pytest.param(2, marks=pytest.mark.quick), 3, 4, 5])
 def test_against_builtin(n):
     results = spawn(all_checks, n, timeout=240)
     per_rank = [r[0] for r in results]
@@ -584,16 +610,78 @@ def test_no_process_group():
     with pytest.raises(RuntimeError, match="boom"):
         h.wait()
     C.shutdown()
-    assert C._worker is None
+    assert not C._workers
+
+
+@pytest.mark.quick
+def test_worker_drops_finished_job():
+    """Once an async op has been waited for, the worker holds none of its tensors."""
+    x = torch.ones(1000)
+    alive = weakref.ref(x)
+    h = C.all_reduce(x, async_op=True)
+    h.wait()
+    del x, h
+    try:
+        assert alive() is None, "the worker keeps the last op's tensor alive"
+    finally:
+        C.shutdown()
+
+
+class NcclLikeWork:
+    """What NCCL's work.wait() is to the CPU: it returns at once. This one never completes."""
+    def wait(self, timeout=None):
+        return True
+
+    def is_completed(self):
+        return False
+
+
+def cpu_side_deadline(rank):
+    """Rank 0 pretends to be on NCCL, where wait() does not block: the waits that must block the
+    CPU (barrier, gather_stats) poll with their own deadline and end in a CommError."""
+    saved = C._is_nccl, C._comm_device, dist.batch_isend_irecv, C._timeout_s
+    C._is_nccl, C._comm_device = (lambda group: True), (lambda group: torch.device("cpu"))
+    dist.batch_isend_irecv, C._timeout_s = (lambda ops: [NcclLikeWork() for _ in ops]), 0.5
+    errors = []
+    try:
+        for call in (C.barrier, lambda: C.gather_stats({"loss": 1.0})):
+            with pytest.raises(C.CommError) as e:
+                call()
+            errors.append(str(e.value))
+    finally:
+        C._is_nccl, C._comm_device, dist.batch_isend_irecv, C._timeout_s = saved
+    return errors
+
+
+def late_host_work(rank, group):
+    """Rank 1 comes 3 s late (say, rank 0 was writing a checkpoint) to barriers with a timeout of
+    their own, on a group whose timeout is 1 s: through the rendezvous store, then on gloo's own
+    messages (no store), and neither fails. -> how long rank 0 waited in each."""
+    waited = []
+    for store in (dist.distributed_c10d._get_default_store(), None):
+        C._store = store
+        t0 = time.perf_counter()
+        if rank == 1:
+            time.sleep(3)
+        C.barrier(group, timeout_s=60)
+        waited.append(time.perf_counter() - t0)
+    C._store = dist.distributed_c10d._get_default_store()
+    if rank == 0:  # and a store barrier's own deadline names the rank that did not come
+        with pytest.raises(C.CommError) as e:
+            C.barrier(group, timeout_s=0.5)
+        waited.append(str(e.value))
+    C._store = None
+    return waited
 
 
 def never_arrives(rank, n):
     """Rank 1 never joins: rank 0's waits time out, and say for whom: a sync op, an op run by
     the worker (each on a group of its own: a timeout leaves its group unusable), then an op
-    on a group that has already failed."""
-    groups = [dist.new_group([0, 1], timeout=datetime.timedelta(seconds=2)) for _ in range(2)]
+    on a group that has already failed. Before that, the barriers that outlast the timeout."""
+    groups = [dist.new_group([0, 1], timeout=datetime.timedelta(seconds=s)) for s in (2, 2, 1)]
+    late = late_host_work(rank, groups[2])
     if rank == 1:
-        time.sleep(6)  # outlive both of rank 0's timeouts, then leave without a word
+        time.sleep(8)  # outlive all of rank 0's timeouts, then leave without a word
         return None
     errors = []
     with pytest.raises(C.CommError) as e:
@@ -606,15 +694,20 @@ def never_arrives(rank, n):
     with pytest.raises(C.CommError) as e:
         C.gather(torch.empty(2), torch.ones(1), 0, group=groups[0])
     errors.append(str(e.value))
-    return errors
+    return errors, cpu_side_deadline(rank), late
 
 
 def test_timeout_names_whom_it_waited_for():
-    sync, worker, again = spawn(never_arrives, 2, timeout=60, fresh=True)[0]
+    (sync, worker, again), (barrier, stats), (by_store, by_gloo, store_timeout) = spawn(never_arrives, 2, timeout=60, fresh=True)[0]
     assert sync.startswith("rank 0: all_reduce on ranks [0, 1] timed out waiting for rank 1 (recv 4096 bytes): "), sync
     assert worker.startswith("rank 0: broadcast on ranks [0, 1] timed out waiting for rank 1 (recv 24 bytes): "), worker
     assert again.startswith("rank 0: gather on ranks [0, 1] ") and "rank 1 (recv 4 bytes)" in again, again
-    assert all("\n" not in m and len(m) < 300 for m in (sync, worker, again)), "one line each"
+    assert barrier.startswith("rank 0: barrier on ranks [0, 1] timed out waiting for rank 1 (recv 4 bytes): "), barrier
+    assert stats.startswith("rank 0: gather_stats on ranks [0, 1] timed out waiting for rank 1 (recv 8 bytes): "), stats
+    assert by_store > 1.5 and by_gloo > 1.5, "a barrier let rank 0 go before rank 1 arrived"  # 3 s late
+    assert store_timeout.startswith("rank 0: barrier on ranks [0, 1] timed out after 0.5 s waiting for rank 1"), store_timeout
+    messages = (sync, worker, again, barrier, stats, store_timeout)
+    assert all("\n" not in m and len(m) < 300 for m in messages), "one line each"
 
 
 def test_init_distributed_timeout(monkeypatch):
@@ -634,6 +727,48 @@ def test_init_distributed_timeout(monkeypatch):
         C.shutdown()  # no group really made: nothing to destroy
     common = dict(store=("attempt2/", store), rank=0, world_size=1)
     assert calls == [(("gloo",), dict(timeout=datetime.timedelta(seconds=3), **common)), (("gloo",), common)], calls
+    # on NCCL the watchdog's deadline (the group's timeout) comes a grace period after ours
+    calls.clear()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    try:
+        C.init_distributed(timeout_s=3)
+        assert C._timeout_s == 3 and C._store == ("attempt2/", store)
+    finally:
+        C.shutdown()
+    assert calls == [(("nccl",), dict(device_id=torch.device("cuda", 0), **common,
+                                      timeout=datetime.timedelta(seconds=3 + C.NCCL_GRACE_S)))], calls
+    assert C._timeout_s is None and C._store is None
+
+
+def test_device_follows_the_group_and_the_visible_gpus(monkeypatch, capsys):
+    """Faked CUDA: inside a gloo group someone else made, the device is the CPU and no GPU is
+    touched; with GPUs, a process uses its local rank's, or the only one it sees, and a local
+    rank beyond the GPUs it sees is one error line."""
+    chosen = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)  # no group of our own is made
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    monkeypatch.setattr(C, "_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_backend", lambda group: "gloo")
+    monkeypatch.setattr(dist, "get_rank", lambda group: 3)
+    monkeypatch.setattr(dist, "get_world_size", lambda group: 4)
+    assert C.init_distributed()[2:] == (3, torch.device("cpu")) and chosen == []
+    monkeypatch.setattr(C, "_initialized", lambda: False)
+    for count, want in ((8, 3), (1, 0)):
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+        assert C.init_distributed()[3] == torch.device("cuda", want) and chosen[-1] == torch.device("cuda", want)
+    assert C.init_distributed(backend="gloo")[3] == torch.device("cpu") and len(chosen) == 2
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5")
+    with pytest.raises(SystemExit) as e:
+        C.init_distributed()
+    assert e.value.code == 2 and len(chosen) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: rank 0: LOCAL_RANK=3 but this process sees 2 GPUs (CUDA_VISIBLE_DEVICES=4,5): "
+                   "give each process all of its node's GPUs, or exactly one"], err
 
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "reduce", "scatter", "gather")
@@ -647,7 +782,8 @@ def test_benchmark_bad_sizes():
 
 
 def test_benchmark_runs():
-    p = torchrun("bench/collectives_bench.py", 2, ["--sizes=4K,64K", "--iters=2", "--warmup=1"], timeout=120)
+    p = torchrun("bench/collectives_bench.py", 2, ["--sizes=4K,64K", "--iters=2", "--warmup=1", "--backend=gloo"],
+                 timeout=120)
     assert p.returncode == 0, p.stderr[-3000:]
     assert "busbw" in p.stdout
     rows = [line.split() for line in p.stdout.splitlines() if line.split() and line.split()[0] in OPS]
