@@ -242,7 +242,7 @@ class Stage(nn.Module):
         if self.first:
             x = TP.embed_forward(t["wte"], t["wpe"], x, g, sp, self.config.dropout, self.training)
         for i in self.layers:
-            x = TP.block_forward(t["h"][str(i)], x, g, sp)
+            x = TP.block_forward(t["h"][str(i)], x)
         return TP.head_forward(t["ln_f"], self.head(), x, targets, g, sp) if self.last else x
 
 
