@@ -13,54 +13,23 @@ What it splits. Everything in a block but attention treats each position alone (
 embeddings, with GLOBAL positions, the LayerNorms, the MLP, the residual adds, the head
 and the loss), so it runs on the rank's s/N positions, and every activation a rank
 keeps for backward is 1/N of the one-process run's: that, not speed, is what context
-parallelism buys, a sequence too long for one device's memory. Attention needs every
-earlier position. Each rank holds the queries of its positions; the key/value blocks
-travel. At each of N-1 steps a rank sends the block in hand to the next rank and
+parallelism buys, a sequence too long for one device's memory. The model is model.py's
+own; only its attention's attend() hook is pointed at the ring.
+
+What it sends, and when. Each rank holds the queries of its positions; the key/value
+blocks travel. At each of N-1 steps a rank sends the block in hand to the next rank and
 receives one from the previous (async, so the transfer overlaps the attention on the
 block that already arrived), and merges each block's partial result exactly by the
-log-sum-exp rule of the online softmax (Milakov & Gimelshein 2018; FlashAttention, Dao
-et al. 2022): out = (e^lse1 out1 + e^lse2 out2) / (e^lse1 + e^lse2). Blocks wholly in
-the causal future are skipped; the diagonal block is causally masked. Backward is
-written by hand in the same ring, as FlashAttention-2's (Dao 2023): from the saved
-output and log-sum-exp (no attention matrices kept) it recomputes each block's
-probabilities, sends the key/value blocks around again, and each block's gradient
-follows it, accumulating every rank's share, its last hop bringing it home. The
-weights are replicated (16Ψ bytes of weights, gradients and Adam state per rank, as in
-DDP), so their gradients are averaged once a step.
-
-What it sends, per rank per step (b rows, s tokens, h = n_embd, L layers, Ψ
-parameters, a = 4 bytes in float32 or 2 in bfloat16 for K and V; gradients float32):
-
-    forward    L · (N-1) · 2·b·(s/N)·h · a      K and V of one rank's positions, N-1 hops
-    backward   L · (N-1) · 2·b·(s/N)·h · a      the same blocks again (forward kept only its own)
-             + L · (N-1) · 2·b·(s/N)·h · 4      their gradients dK, dV, N-1 hops, the last one home
-    weights    2(N-1)/N · 4Ψ                    one ring all-reduce of every gradient
-
-so 2(N-1)/N · L·b·s·h·(2a + 4) bytes for attention, about as much as tensor parallel's
-activations; but each hop moves O(b·(s/N)·h) bytes while the block it overlaps costs
-O(b·(s/N)²·h) FLOPs, so once s/N is long enough the transfers hide behind compute.
-Skipped future blocks are still sent: in a ring every block passes every rank on its
-way to those that need it (under zigzag every rank needs half of every other block),
-and each step is the same exchange on every rank; so the bytes do not shrink.
-
-Why --layout=zigzag (the default). Under the causal mask, with contiguous positions
-(rank r holds [r·s/N, (r+1)·s/N)), rank 0 attends to one block and rank N-1 to N: the
-last rank does N times the first's work, and everyone waits for it. Zigzag cuts the
-sequence into 2N chunks and gives rank r chunks r and 2N-1-r (an early and a late one),
-so every rank does the diagonal plus half of each other block: the same work everywhere
-(the load-balanced layout of Llama 3's context parallelism, Dubey et al. 2024, which
-all-gathers K and V instead of passing them round a ring, and of zhuzilin's
-ring-flash-attention). The log's attn_ms (attention compute, forward and backward)
-and attn_wait_ms (waiting for blocks), per rank, show the imbalance and its cure;
-act_bytes, what autograd keeps per rank, shows the 1/N.
-
-This is a teaching implementation: each block's scores come from plain float32
-matmuls. On a GPU one would call a flash-attention kernel that returns the log-sum-exp
-with the output (flash_attn's _flash_attn_forward, or torch's
-_scaled_dot_product_flash_attention) and its backward kernel, and merge the same way.
+online softmax's log-sum-exp rule. Backward sends the blocks round again, each block's
+gradient following it home. The weights are replicated (16Ψ bytes of weights, gradients
+and Adam state per rank, as in DDP), so their gradients are averaged once a step.
+--layout=zigzag (the default) balances the causal work over the ranks (see positions());
+the log's attn_ms and attn_wait_ms show it, act_bytes the 1/N. traffic_per_rank() has
+the bytes.
 """
+import functools
 import math
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 
 import torch
 
@@ -70,24 +39,16 @@ import model as M
 DEFAULTS = dict(M.TRAIN_DEFAULTS, layout="zigzag")
 LAYOUTS = ("contiguous", "zigzag")
 
-
-def traffic_per_rank(config, cfg, world):
-    """Bytes a rank sends per optimizer step (the formula of the docstring). The K/V
-    terms are exact on every rank; the all-reduce's 2(N-1)/N·4Ψ is exact when N divides
-    Ψ, else the mean over ranks (the ring's chunks differ by an element)."""
-    if world == 1:
-        return 0
-    b, s, h, L = cfg.batch_size, config.block_size, config.n_embd, config.n_layer
-    a = 2 if cfg.dtype == "bfloat16" else 4
-    block = 2 * b * (s // world) * h  # K and V, every row and head, of one rank's positions
-    forward = L * (world - 1) * block * a
-    backward = L * (world - 1) * block * a + L * (world - 1) * block * 4
-    weights = 2 * (world - 1) / world * 4 * M.param_count(config)
-    return forward + backward + weights
-
-
 # -----------------------------------------------------------------------------
 # the layout: which positions each rank holds
+#
+# Under the causal mask, with contiguous positions (rank r holds [r·s/N, (r+1)·s/N)),
+# rank 0 attends to one block and rank N-1 to N: the last rank does N times the first's
+# work, and everyone waits for it. Zigzag cuts the sequence into 2N chunks and gives
+# rank r chunks r and 2N-1-r (an early and a late one), so every rank does the diagonal
+# plus half of each other block: the same work everywhere (the load-balanced layout of
+# Llama 3's context parallelism, Dubey et al. 2024, which all-gathers K and V instead
+# of passing them round a ring, and of zhuzilin's ring-flash-attention).
 
 
 def positions(block_size, me, n, layout, device="cpu"):
@@ -114,35 +75,22 @@ def block_plan(me, owner, n, layout, length):
         return every, half[0], False
     return half[1], every, False  # my late chunk comes after both of its chunks; my early chunk before
 
-
 # -----------------------------------------------------------------------------
-# the ring
+# ring attention
+#
+# The ring's loops; the math of one block (attend, merge, attend_backward) follows them.
+# clock(kind) times a span ("attn": attention compute, "wait": waiting for a block) for
+# the log; Clock, after main(), is the one main uses, untimed() the one for everyone else.
 
 
 class Ring:
     """The ranks that share one sequence, in ring order: whom this rank sends to (next)
-    and receives from (prev), GLOBAL ranks of `group`; the layout; and the clock that
-    adds up attention compute and waiting, per step."""
+    and receives from (prev), GLOBAL ranks of `group`; and the layout."""
 
-    def __init__(self, group=None, layout="zigzag", device="cpu"):
+    def __init__(self, group=None, layout="zigzag"):
         ranks = C.group_ranks(group)
         self.group, self.me, self.n, self.layout = group, C.get_rank(group), len(ranks), layout
         self.next, self.prev = ranks[(self.me + 1) % self.n], ranks[(self.me - 1) % self.n]
-        self.device = torch.device(device)
-        self.spans = dict(attn=[], wait=[])
-
-    def clock(self):
-        return M.now(self.device)
-
-    def reset(self):
-        for spans in self.spans.values():
-            spans.clear()
-
-    def take_ms(self):
-        """Milliseconds spent per kind since the last reset (on a GPU, reads the events)."""
-        ms = {k: 1000 * sum(M.elapsed(t0, t1) for t0, t1 in v) for k, v in self.spans.items()}
-        self.reset()
-        return ms
 
 
 def shift(t, ring):
@@ -152,52 +100,7 @@ def shift(t, ring):
     return incoming, C.sendrecv(t, ring.next, incoming, ring.prev, group=ring.group, async_op=True)
 
 
-def wait(handle, ring):
-    t0 = ring.clock()
-    handle.wait()
-    ring.spans["wait"].append((t0, ring.clock()))
-
-
-# -----------------------------------------------------------------------------
-# one block of attention, forward and backward, in float32
-
-
-def attend(q, k, v, scale, causal):
-    """Softmax attention of q on one block of keys and values alone.
-    -> (out, lse): the output and each row's log-sum-exp of the scores."""
-    s = torch.matmul(q, k.transpose(-2, -1)) * scale  # (B, H, Lq, Lk): only this block's, never s x s
-    if causal:
-        s.masked_fill_(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)
-    return torch.matmul(torch.exp(s - lse.unsqueeze(-1)), v), lse
-
-
-def merge(out, lse, o, l):
-    """In place: (out, lse) becomes the attention over the keys of both parts. Each is a
-    softmax-weighted mean, weighted by its share e^lse of the total mass."""
-    new = torch.logaddexp(lse, l)
-    out.mul_(torch.exp(lse - new).unsqueeze(-1)).add_(o * torch.exp(l - new).unsqueeze(-1))
-    lse.copy_(new)
-
-
-def attend_backward(q, k, v, dout, lse, delta, scale, causal):
-    """FlashAttention-2's backward for one block: P recomputed from the scores and the
-    final lse (so P is the block's share of the FULL softmax), delta = rowsum(dO * O).
-    -> (dq, dk, dv), this block's parts."""
-    s = torch.matmul(q, k.transpose(-2, -1)) * scale
-    if causal:
-        s.masked_fill_(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
-    p = torch.exp(s - lse.unsqueeze(-1))
-    dv = torch.matmul(p.transpose(-2, -1), dout)
-    ds = p * (torch.matmul(dout, v.transpose(-2, -1)) - delta.unsqueeze(-1))  # softmax's Jacobian
-    return torch.matmul(ds, k) * scale, torch.matmul(ds.transpose(-2, -1), q) * scale, dv
-
-
-# -----------------------------------------------------------------------------
-# ring attention
-
-
-def ring_forward(q, k, v, ring):
+def ring_forward(q, k, v, ring, clock):
     """-> (out, lse) of this rank's queries against the whole sequence, float32."""
     scale, length = 1.0 / math.sqrt(q.shape[-1]), q.shape[2]
     q = q.float()
@@ -210,20 +113,20 @@ def ring_forward(q, k, v, ring):
         plan = block_plan(ring.me, owner, ring.n, ring.layout, length)
         if plan is not None:
             rows, cols, causal = plan
-            t0 = ring.clock()
-            o, l = attend(q[:, :, rows], kv[0][:, :, cols].float(), kv[1][:, :, cols].float(), scale, causal)
-            if out is None:  # step 0: the diagonal, every row (each query sees at least itself)
-                out, lse = o, l
-            else:
-                merge(out[:, :, rows], lse[:, :, rows], o, l)
-            ring.spans["attn"].append((t0, ring.clock()))
+            with clock("attn"):
+                o, l = attend(q[:, :, rows], kv[0][:, :, cols].float(), kv[1][:, :, cols].float(), scale, causal)
+                if out is None:  # step 0: the diagonal, every row (each query sees at least itself)
+                    out, lse = o, l
+                else:
+                    merge(out[:, :, rows], lse[:, :, rows], o, l)
         if step < ring.n - 1:
-            wait(handle, ring)
+            with clock("wait"):
+                handle.wait()
             kv = kv_next
     return out, lse
 
 
-def ring_backward(dout, q, k, v, out, lse, ring):
+def ring_backward(dout, q, k, v, out, lse, ring, clock):
     """-> (dq, dk, dv) float32. dq is this rank's alone; dK and dV of a block need every
     rank's share: each block's gradient starts at the rank after its owner, gathers one
     share per hop as it follows the block around, and its (N-1)-th hop brings it home."""
@@ -241,25 +144,27 @@ def ring_backward(dout, q, k, v, out, lse, ring):
         plan = block_plan(ring.me, owner, ring.n, ring.layout, length)
         if plan is not None:
             rows, cols, causal = plan
-            t0 = ring.clock()
-            dq_b, dk_b, dv_b = attend_backward(q[:, :, rows], kv[0][:, :, cols].float(), kv[1][:, :, cols].float(),
-                                               dout[:, :, rows], lse[:, :, rows], delta[:, :, rows], scale, causal)
-            dq[:, :, rows] += dq_b
-            part[0][:, :, cols] += dk_b
-            part[1][:, :, cols] += dv_b
-            ring.spans["attn"].append((t0, ring.clock()))
+            with clock("attn"):
+                dq_b, dk_b, dv_b = attend_backward(q[:, :, rows], kv[0][:, :, cols].float(), kv[1][:, :, cols].float(),
+                                                   dout[:, :, rows], lse[:, :, rows], delta[:, :, rows], scale, causal)
+                dq[:, :, rows] += dq_b
+                part[0][:, :, cols] += dk_b
+                part[1][:, :, cols] += dv_b
         if step == 0:
             own = part  # my share of my own block's gradient, added when the rest comes home
         else:
             if step > 1:  # the owner's gradient so far, from the ranks the block has passed
-                wait(dkv_handle, ring)
+                with clock("wait"):
+                    dkv_handle.wait()
                 part += dkv_in
             dkv_in, dkv_handle = shift(part, ring)  # send_dkv to next / recv_dkv from prev (home at the last step)
         if step < ring.n - 1:
-            wait(kv_handle, ring)
+            with clock("wait"):
+                kv_handle.wait()
             kv = kv_next
     if ring.n > 1:
-        wait(dkv_handle, ring)
+        with clock("wait"):
+            dkv_handle.wait()
         own += dkv_in  # every other rank's share of my block's gradient
     return dq, own[0], own[1]
 
@@ -270,11 +175,11 @@ class RingAttention(torch.autograd.Function):
     matrix. Computed in float32 whatever the autocast dtype; returns q's dtype."""
 
     @staticmethod
-    def forward(ctx, q, k, v, ring):
+    def forward(ctx, q, k, v, ring, clock):
         with torch.autocast(q.device.type, enabled=False):
-            out, lse = ring_forward(q, k, v, ring)
+            out, lse = ring_forward(q, k, v, ring, clock)
         out = out.to(q.dtype)
-        ctx.ring = ring
+        ctx.ring, ctx.clock = ring, clock
         ctx.save_for_backward(q, k, v, out, lse)
         return out
 
@@ -282,37 +187,80 @@ class RingAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         with torch.autocast(dout.device.type, enabled=False):
-            dq, dk, dv = ring_backward(dout, q, k, v, out, lse, ctx.ring)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
+            dq, dk, dv = ring_backward(dout, q, k, v, out, lse, ctx.ring, ctx.clock)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+
+
+def untimed(kind):
+    return nullcontext()
 
 
 # torch.compile runs the ring eagerly (a graph break) and compiles the math around it
 @torch.compiler.disable
-def ring_attention(q, k, v, ring):
-    return RingAttention.apply(q, k, v, ring)
+def ring_attention(q, k, v, ring, clock=None):
+    return RingAttention.apply(q, k, v, ring, clock or untimed)
 
+# -----------------------------------------------------------------------------
+# one block of attention, forward and backward, in float32
+#
+# This is a teaching implementation: each block's scores come from plain float32
+# matmuls. On a GPU one would call a flash-attention kernel that returns the log-sum-exp
+# with the output (flash_attn's _flash_attn_forward, or torch's
+# _scaled_dot_product_flash_attention) and its backward kernel, and merge the same way.
+
+
+def attend(q, k, v, scale, causal):
+    """Softmax attention of q on one block of keys and values alone.
+    -> (out, lse): the output and each row's log-sum-exp of the scores."""
+    s = torch.matmul(q, k.transpose(-2, -1)) * scale  # (B, H, Lq, Lk): only this block's, never s x s
+    if causal:
+        s.masked_fill_(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    return torch.matmul(torch.exp(s - lse.unsqueeze(-1)), v), lse
+
+
+def merge(out, lse, o, l):
+    """In place: (out, lse) becomes the attention over the keys of both parts. Each is a
+    softmax-weighted mean, weighted by its share e^lse of the total mass (the online
+    softmax, Milakov & Gimelshein 2018; FlashAttention, Dao et al. 2022):
+    out = (e^lse1 out1 + e^lse2 out2) / (e^lse1 + e^lse2)."""
+    new = torch.logaddexp(lse, l)
+    out.mul_(torch.exp(lse - new).unsqueeze(-1)).add_(o * torch.exp(l - new).unsqueeze(-1))
+    lse.copy_(new)
+
+
+def attend_backward(q, k, v, dout, lse, delta, scale, causal):
+    """FlashAttention-2's backward for one block (Dao 2023): P recomputed from the scores
+    and the final lse (so P is the block's share of the FULL softmax; no attention matrix
+    was kept), delta = rowsum(dO * O). -> (dq, dk, dv), this block's parts."""
+    s = torch.matmul(q, k.transpose(-2, -1)) * scale
+    if causal:
+        s.masked_fill_(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    p = torch.exp(s - lse.unsqueeze(-1))
+    dv = torch.matmul(p.transpose(-2, -1), dout)
+    ds = p * (torch.matmul(dout, v.transpose(-2, -1)) - delta.unsqueeze(-1))  # softmax's Jacobian
+    return torch.matmul(ds, k) * scale, torch.matmul(ds.transpose(-2, -1), q) * scale, dv
 
 # -----------------------------------------------------------------------------
 # the model on a rank's positions
 
 
-def attention(attn, x, ring):
-    """model.CausalSelfAttention's forward with ring attention in place of SDPA."""
-    B, T, _ = x.shape
-    q, k, v = attn.c_attn(x).chunk(3, dim=2)
-    q, k, v = (t.view(B, T, -1, attn.head_dim).transpose(1, 2) for t in (q, k, v))
-    y = ring_attention(q, k, v, ring)
-    return attn.c_proj(y.transpose(1, 2).reshape(B, T, -1))
+def use_ring(model, ring, clock=None):
+    """Point every block's attention at the ring: model.CausalSelfAttention runs as it is
+    (c_attn, the heads, c_proj) and its attend() hook, SDPA in one process, becomes
+    ring attention over every rank's keys."""
+    for block in model.transformer.h:
+        block.attn.attend = functools.partial(ring_attention, ring=ring, clock=clock)
 
 
-def forward(model, idx, targets, pos, ring):
-    """model.GPT's forward on this rank's positions `pos` of every row. -> the mean loss
-    over this rank's tokens (every rank holds as many: the ranks' mean is the batch's)."""
+def forward(model, idx, targets, pos):
+    """model.GPT's forward on this rank's positions `pos` of every row (its attention on
+    the ring). -> the mean loss over this rank's tokens (every rank holds as many: the
+    ranks' mean is the batch's)."""
     t = model.transformer
     x = t.wte(idx) + t.wpe(pos)  # the GLOBAL positions
     for block in t.h:
-        x = x + attention(block.attn, block.ln_1(x), ring)
-        x = x + block.mlp(block.ln_2(x))
+        x = block(x)
     return M.head(t.ln_f, model.lm_head.weight, x, targets)[1]
 
 
@@ -340,12 +288,13 @@ def main(argv=None):
     if config.block_size % parts:
         M.die(f"--block_size={config.block_size} does not divide into {parts} equal parts "
               f"({world} rank{'s' * (world > 1)}, {cfg.layout} layout{', two chunks each' if cfg.layout == 'zigzag' else ''})")
-    group = None  # the whole world; parallel_3d.py could run the same ring on a sub-group
-    ring = Ring(group, cfg.layout, device)
+    group = None  # the whole world; the ring takes its group, so a mesh could run it on a sub-group
+    ring, clock = Ring(group, cfg.layout), Clock(device)
     pos = positions(config.block_size, ring.me, ring.n, cfg.layout, device)
 
     # the weights are replicated, as in DDP: the same seed everywhere, made sure by a broadcast
     model = M.GPT(config, seed=cfg.seed).to(device)
+    use_ring(model, ring, clock)
     params = list(model.parameters())  # the tied matrix once
     for t in params + list(model.buffers()):
         C.broadcast(t.data, src=C.group_ranks(group)[0], group=group)
@@ -366,7 +315,7 @@ def main(argv=None):
             for k in range(cfg.eval_iters):
                 x, y = M.batch(run, k, "val")
                 with run.autocast:
-                    losses[k] = step_forward(model, x[:, pos], y[:, pos], pos, ring)
+                    losses[k] = step_forward(model, x[:, pos], y[:, pos], pos)
             C.all_reduce(losses, op="avg", group=group)
         model.train()
         return losses.mean().item()
@@ -374,7 +323,7 @@ def main(argv=None):
     for it in range(run.start_iter, cfg.max_iters):
         M.begin_iter(run, it, evaluate)
         # ---------------------------------------------------------------- the training step
-        ring.reset()  # validation's attention is not the step's
+        clock.reset()  # validation's attention is not the step's
         if flat is not None:
             flat.zero_()
         else:
@@ -383,7 +332,7 @@ def main(argv=None):
         x, y = x[:, pos], y[:, pos]  # ...at this rank's positions
         counting, saved = M.saved_bytes(params) if not cfg.compile else (nullcontext(), {})
         with run.autocast, counting:
-            loss = step_forward(model, x, y, pos, ring)
+            loss = step_forward(model, x, y, pos)
         loss.backward()  # the ring runs again, backward, inside
         if flat is not None:
             C.all_reduce(flat, op="avg", group=group)  # the replicated weights' gradients, once a step
@@ -391,12 +340,68 @@ def main(argv=None):
         norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip) if cfg.grad_clip else 0.0
         optimizer.step()
         # ---------------------------------------------------------------- end of the training step
-        ms = ring.take_ms()
+        ms = clock.take_ms()
         grads = [flat] if flat is not None else [p.grad for p in params]
         state = M.tensor_bytes(params) + M.tensor_bytes(grads) + M.optimizer_state_bytes(optimizer)
         M.end_iter(run, loss=loss.item(), grad_norm=norm, state_bytes=state, act_bytes=sum(saved.values()),
                    attn_ms=ms["attn"], attn_wait_ms=ms["wait"])
     return M.finish(run)
+
+# -----------------------------------------------------------------------------
+# the clock and the bytes
+
+
+class Clock:
+    """clock(kind) times the spans of one kind ("attn", "wait") on the device's timeline
+    (CUDA events on a GPU: the CPU does not wait); take_ms() adds them up per step."""
+
+    def __init__(self, device="cpu"):
+        self.device = torch.device(device)
+        self.spans = dict(attn=[], wait=[])
+
+    @contextmanager
+    def __call__(self, kind):
+        t0 = M.now(self.device)
+        yield
+        self.spans[kind].append((t0, M.now(self.device)))
+
+    def reset(self):
+        for spans in self.spans.values():
+            spans.clear()
+
+    def take_ms(self):
+        """Milliseconds spent per kind since the last reset (on a GPU, reads the events)."""
+        ms = {k: 1000 * sum(M.elapsed(t0, t1) for t0, t1 in v) for k, v in self.spans.items()}
+        self.reset()
+        return ms
+
+
+def traffic_per_rank(config, cfg, world):
+    """Bytes a rank sends per optimizer step. With b rows, s tokens, h = n_embd, L layers,
+    Ψ parameters, a = 4 bytes in float32 or 2 in bfloat16 for K and V (gradients float32):
+
+        forward    L · (N-1) · 2·b·(s/N)·h · a      K and V of one rank's positions, N-1 hops
+        backward   L · (N-1) · 2·b·(s/N)·h · a      the same blocks again (forward kept only its own)
+                 + L · (N-1) · 2·b·(s/N)·h · 4      their gradients dK, dV, N-1 hops, the last one home
+        weights    2(N-1)/N · 4Ψ                    one ring all-reduce of every gradient
+
+    so 2(N-1)/N · L·b·s·h·(2a + 4) bytes for attention, about as much as tensor parallel's
+    activations; but each hop moves O(b·(s/N)·h) bytes while the block it overlaps costs
+    O(b·(s/N)²·h) FLOPs, so once s/N is long enough the transfers hide behind compute.
+    Skipped future blocks are still sent: in a ring every block passes every rank on its
+    way to those that need it (under zigzag every rank needs half of every other block),
+    and each step is the same exchange on every rank; so the bytes do not shrink. The
+    K/V terms are exact on every rank; the all-reduce's is exact when N divides Ψ, else
+    the mean over ranks (the ring's chunks differ by an element)."""
+    if world == 1:
+        return 0
+    b, s, h, L = cfg.batch_size, config.block_size, config.n_embd, config.n_layer
+    a = 2 if cfg.dtype == "bfloat16" else 4
+    block = 2 * b * (s // world) * h  # K and V, every row and head, of one rank's positions
+    forward = L * (world - 1) * block * a
+    backward = L * (world - 1) * block * a + L * (world - 1) * block * 4
+    weights = 2 * (world - 1) / world * 4 * M.param_count(config)
+    return forward + backward + weights
 
 
 if __name__ == "__main__":

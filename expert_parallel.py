@@ -1,6 +1,6 @@
 """
-Expert parallelism: the mixture-of-experts GPT (model.py, --n_expert=E) with its
-experts split over the ranks, E/N each, and everything else replicated as in DDP.
+Expert parallelism: the mixture-of-experts GPT (model.py, --n_expert=E) with its experts
+split over the ranks, E/N each, and everything else replicated as in DDP.
 
     python ddp.py --n_expert=4                                  # one process: the reference run
     torchrun --nproc_per_node=2 expert_parallel.py --n_expert=4
@@ -20,68 +20,103 @@ reach the ranks that hold the experts they chose, and come back:
   combine   the reverse all-to-all brings the outputs home; the router weights
             mix them there. Backward is the same two all-to-alls, reversed.
 
-An expert's gradient arrives through these all-to-alls from every rank's tokens, so
-it is never all-reduced: each rank already holds the sum over all tokens (divided
-by N here, since each rank's loss is the mean over its own rows). The replicated
-weights' gradients are averaged with one all-reduce a step.
-
-What it sends per MoE layer and step, a rank routing n = b·s/N tokens to k experts,
-h wide, B bytes a number (4; 2 under bf16 autocast, which the rows travel in):
-  counts                  (N-1)·E·k·8 bytes
-  the four all-to-alls    2·(rows sent + rows received)·h·B exactly, from the step's
-                          routing; under uniform routing a rank keeps 1/N of its n·k
-                          choices and sends the rest: (N-1)/N·n·k·h·B per all-to-all,
-                          4(N-1)/N·n·k·h·B in all
---dispatch=allreduce, the simple alternative: every rank gathers the whole global
-micro-batch (an all-gather of the N·n tokens and of their routing), runs its experts
-on the choices routed to them, and a reduce-scatter sums the partial outputs back to
-their ranks (each is nonzero on one rank only); backward, the same pair reversed:
-                          2(N-1)·n·h·B·(1+k) + (N-1)·n·k·8 bytes,
-N(1+k)/(2k) times the all-to-all's (3x at N = 4, k = 2), and growing with N.
-Plus once a step: the replicated gradients' all-reduce, 2(N-1)/N·4Ψ_replicated, and
-one float for the gradient norm. --capacity_factor applies GShard's drop rule to the
-global micro-batch, so N ranks drop what one process would.
-
-Each step logs, besides the common fields: expert_tokens (the rows each expert took,
-summed over the layers), load_max_over_mean (of the ranks' experts' loads),
-expert_max_over_mean (of the experts', per layer), and by rank dropped_tokens,
-aux_loss (the balance loss), expert_load, sent_tokens/received_tokens (the rows
-exchanged with other ranks), dispatch_bytes (the MoE layers' share of comm_bytes).
+--dispatch=allgather, the simple alternative (once named allreduce; that name still
+works): every rank all-gathers the whole global micro-batch and its routing, runs its
+experts on the choices routed to them, and a reduce-scatter sums the partial outputs
+back to their ranks; backward, the same pair reversed. An expert's gradient arrives
+through these exchanges from every rank's tokens, so it is never all-reduced; the
+replicated weights' gradients are averaged with one all-reduce a step.
+traffic_per_rank() gives the bytes; the log adds the experts' loads and the drops.
 """
 import torch
-import torch.nn as nn
 
 import collectives as C
 import model as M
 
 DEFAULTS = dict(M.TRAIN_DEFAULTS, n_expert=4, dispatch="alltoall")
+DISPATCH = ("alltoall", "allgather")
+
+# ----------------------------------------------------------------------------- the layer
+
+class ExpertParallelMoE(M.MoE):
+    """A MoE layer holding experts [first, first + E/N) and the (replicated) router.
+    run_experts() is the only change: the one-process version runs every expert here."""
+
+    def __init__(self, moe, mode="alltoall", wire_dtype=None, group=None):
+        with torch.device("meta"):  # MoE's fields, without allocating (or drawing) its weights: both come next
+            super().__init__(moe.config)
+        self.router = moe.router
+        self.load = 0  # the training forwards' rows per expert (E,), every rank's, for the log
+        self.mode, self.wire_dtype, self.group = mode, wire_dtype, group
+        self.world, self.rank = C.get_world_size(group), C.get_rank(group)
+        self.local = self.config.n_expert // self.world
+        self.first = self.rank * self.local
+        self.experts = M.Experts(self.config, self.local)
+        with torch.no_grad():
+            for mine, full in zip(self.experts.parameters(), moe.experts.parameters()):
+                mine.copy_(full[self.first:self.first + self.local])
+
+    def run_experts(self, tokens, chosen):
+        """-> (the experts' outputs for this rank's choices (n, k, h), zeros where dropped; stats)."""
+        n, k = chosen.shape
+        N, me, mine = self.world, self.rank, slice(self.first, self.first + self.local)
+        if self.mode == "alltoall":
+            table = gather_all(M.choice_counts(chosen, self.config.n_expert), self.group)  # (N, E, k)
+        else:
+            everyone = gather_all(chosen, self.group)  # (N, n, k): every rank's routing, for my experts
+            table = torch.stack([M.choice_counts(c, self.config.n_expert) for c in everyone])
+            everyone = everyone.view(N * n, k)
+        capacity = M.expert_capacity(self.config, N * n)
+        kept = M.kept_counts(table, capacity).sum(-1).cpu()  # (N, E): the rows rank i's tokens bring expert e
+        stats = dict(expert_tokens=kept[me], dropped_tokens=n * k - int(kept[me].sum()),
+                     expert_load=int(kept[:, mine].sum()))
+        if self.training:
+            self.load = self.load + kept.sum(0)
+        rows = tokens.to(self.wire_dtype) if self.wire_dtype else tokens  # they travel in the compute dtype
+        if self.mode == "alltoall":
+            keep = M.keep_mask(chosen, M.ahead(table)[me], capacity)
+            return self.by_all_to_all(rows, chosen, keep, kept, stats), stats
+        keep = M.keep_mask(everyone, M.ahead(table.sum(0)[None])[0], capacity)  # the rule on the whole batch
+        return self.by_all_gather(rows, everyone, keep, kept.sum(0)), stats
+
+    def by_all_to_all(self, tokens, chosen, keep, kept, stats):
+        """Each kept choice's row to its expert's rank, through the experts, and back.
+        kept (N, E): the rows rank i's tokens bring expert e."""
+        N, me, k = self.world, self.rank, chosen.shape[1]
+        order = M.by_expert(chosen, keep)  # my kept choices by expert, so by the rank holding it
+        per_rank = kept.view(N, N, self.local).sum(-1)  # rows rank i sends rank j
+        send, recv = per_rank[me].tolist(), per_rank[:, me].tolist()
+        stats.update(sent_tokens=sum(send) - send[me], received_tokens=sum(recv) - recv[me])
+        rows = dispatch(tokens[order // k], send, recv, self.group)  # rank 0's rows by expert, rank 1's...
+        counts = kept[:, self.first:self.first + self.local]  # (N, E/N)
+        out = self.experts(transpose_blocks(rows, counts), counts.sum(0).tolist())  # by expert, then rank
+        out = combine(transpose_blocks(out, counts.t()), send, recv, self.group)
+        return M.scatter_choices(out, order, chosen.shape)
+
+    def by_all_gather(self, tokens, everyone, keep, per_expert):
+        """--dispatch=allgather: every rank's tokens here, my experts on the choices routed to
+        them, and the partial outputs summed back to their ranks. everyone (N·n, k): every
+        rank's choices; per_expert (E,): the rows each expert keeps."""
+        k = everyone.shape[1]
+        batch = gather_tokens(tokens, self.group)  # (N·n, h): the global micro-batch, rank-major
+        start = int(per_expert[:self.first].sum())
+        sizes = per_expert[self.first:self.first + self.local].tolist()
+        order = M.by_expert(everyone, keep)[start:start + sum(sizes)]  # the kept choices of my experts
+        out = M.scatter_choices(self.experts(batch[order // k], sizes), order, everyone.shape)  # 0: others' experts
+        return sum_outputs(out.view(everyone.shape[0], -1), self.group).view(-1, k, out.shape[-1])
 
 
-def exchange_bytes(config, cfg, world, sent=None, received=None):
-    """Bytes a rank sends per step at the MoE layers (the docstring's formula). sent,
-    received: the rows this rank dispatched to other ranks' experts and received from
-    other ranks in the step's forward, summed over the layers: then it is exact; without
-    them, the expectation under uniform routing (the all-reduce dispatch's is exact)."""
-    L, E, k, h, N = config.n_layer, config.n_expert, config.top_k, config.n_embd, world
-    n = cfg.batch_size // N * config.block_size  # tokens a rank routes at each layer
-    act = 2 if cfg.dtype == "bfloat16" else 4
-    if cfg.dispatch == "allreduce":
-        return L * ((N - 1) * n * k * 8 + 2 * (N - 1) * n * h * act * (1 + k))
-    if sent is None:  # a rank keeps 1/N of its choices and sends the rest; as many arrive
-        sent = received = L * (N - 1) / N * n * k
-    return L * (N - 1) * E * k * 8 + 2 * (sent + received) * h * act
+def transpose_blocks(x, counts):
+    """x holds blocks of counts[i][j] rows in i-major order -> the same blocks j-major."""
+    blocks = x.split(counts.reshape(-1).tolist())
+    rows, cols = counts.shape
+    return torch.cat([blocks[i * cols + j] for j in range(cols) for i in range(rows)])
 
+# ----------------------------------------------------------------------------- the messages, with their backward
+#
+# torch.compile runs each of these eagerly (one graph break) and compiles the math
+# around them: dynamo must not trace into collectives.py (its lock, its worker).
 
-def traffic_per_rank(config, cfg, world, sent=None, received=None):
-    """Bytes a rank sends per step: the MoE layers' exchange_bytes, the replicated
-    gradients' all-reduce and the gradient norm's one float (these two on average over
-    the ranks: a ring's chunks are uneven by an element, a tree's load is uneven)."""
-    replicated = M.param_count(config) - config.n_layer * config.n_expert * M.mlp_params(config, 0)  # all but experts
-    norm = 4 if cfg.grad_clip else 0
-    return exchange_bytes(config, cfg, world, sent, received) + 2 * (world - 1) / world * (4 * replicated + norm)
-
-
-# ----------------------------------------------------------------------------- the collectives, with their backward
 
 class _AllToAll(torch.autograd.Function):
     """Rows of x to the ranks, send[j] to rank j; recv[i] rows arrive from rank i.
@@ -101,12 +136,14 @@ class _AllToAll(torch.autograd.Function):
         return out, None, None, None
 
 
+@torch.compiler.disable
 def dispatch(rows, send, recv, group=None):
     """Each rank's chosen rows to the ranks holding their experts: send[j] rows to rank j,
     recv[i] arriving from rank i."""
     return _AllToAll.apply(rows, recv, send, group)
 
 
+@torch.compiler.disable
 def combine(rows, send, recv, group=None):
     """The experts' outputs home: dispatch's exchange reversed (send, recv as dispatch's)."""
     return _AllToAll.apply(rows, send, recv, group)
@@ -148,100 +185,26 @@ class _SumScatterRows(torch.autograd.Function):
         return out, None
 
 
+@torch.compiler.disable
 def gather_tokens(rows, group=None):
-    """--dispatch=allreduce: the global micro-batch on every rank (all-gather)."""
+    """--dispatch=allgather: the global micro-batch on every rank (all-gather)."""
     return _GatherRows.apply(rows, group)
 
 
+@torch.compiler.disable
 def sum_outputs(rows, group=None):
-    """--dispatch=allreduce: each rank's experts' partial outputs summed, every rank
+    """--dispatch=allgather: each rank's experts' partial outputs summed, every rank
     keeping its own tokens' (reduce-scatter)."""
     return _SumScatterRows.apply(rows, group)
 
 
-def exchange_counts(counts, group=None):
-    """Every rank's (E, k) choice counts on every rank: (N, E, k), an all-gather."""
-    out = counts.new_empty(C.get_world_size(group), *counts.shape)
-    C.all_gather(out, counts.contiguous(), group=group)
+@torch.compiler.disable
+def gather_all(t, group=None):
+    """Every rank's t on every rank, (N, *t.shape): an all-gather, no gradient (the choice
+    counts, or under allgather the choices themselves)."""
+    out = t.new_empty(C.get_world_size(group), *t.shape)
+    C.all_gather(out, t.contiguous(), group=group)
     return out
-
-
-def transpose_blocks(x, counts):
-    """x holds blocks of counts[i][j] rows in i-major order -> the same blocks j-major."""
-    blocks = x.split(counts.reshape(-1).tolist())
-    rows, cols = counts.shape
-    return torch.cat([blocks[i * cols + j] for j in range(cols) for i in range(rows)])
-
-
-# ----------------------------------------------------------------------------- the layer
-
-class ExpertParallelMoE(M.MoE):
-    """A MoE layer holding experts [first, first + E/N) and the (replicated) router.
-    run_experts() is the only change: the one-process version runs every expert here."""
-
-    def __init__(self, moe, mode="alltoall", wire_dtype=None, group=None):
-        nn.Module.__init__(self)
-        config = moe.config
-        self.config, self.router, self.aux, self.tally = config, moe.router, None, {}
-        self.load = 0  # the training forwards' rows per expert (E,), every rank's, for the log
-        self.mode, self.wire_dtype, self.group = mode, wire_dtype, group
-        self.world, self.rank = C.get_world_size(group), C.get_rank(group)
-        self.local = config.n_expert // self.world
-        self.first = self.rank * self.local
-        self.experts = M.Experts(config, self.local)
-        with torch.no_grad():
-            for mine, full in zip(self.experts.parameters(), moe.experts.parameters()):
-                mine.copy_(full[self.first:self.first + self.local])
-
-    def run_experts(self, tokens, chosen):
-        """-> (the experts' outputs for this rank's choices (n, k, h), zeros where dropped; stats)."""
-        n, k = chosen.shape
-        N, me, mine = self.world, self.rank, slice(self.first, self.first + self.local)
-        if self.mode == "alltoall":
-            table = exchange_counts(M.choice_counts(chosen, self.config.n_expert), self.group)  # (N, E, k)
-        else:
-            everyone = chosen.new_empty(N * n, k)
-            C.all_gather(everyone, chosen.contiguous(), group=self.group)  # every rank's routing, for my experts
-            table = torch.stack([M.choice_counts(c, self.config.n_expert) for c in everyone.view(N, n, k)])
-        capacity = M.expert_capacity(self.config, N * n)
-        kept = M.kept_counts(table, capacity).sum(-1).cpu()  # (N, E): the rows rank i's tokens bring expert e
-        stats = dict(expert_tokens=kept[me], dropped_tokens=n * k - int(kept[me].sum()),
-                     expert_load=int(kept[:, mine].sum()))
-        if self.training:
-            self.load = self.load + kept.sum(0)
-        rows = tokens.to(self.wire_dtype) if self.wire_dtype else tokens  # they travel in the compute dtype
-        if self.mode == "alltoall":
-            keep = M.keep_mask(chosen, M.ahead(table)[me], capacity)
-            return self.by_all_to_all(rows, chosen, keep, kept, stats), stats
-        keep = M.keep_mask(everyone, M.ahead(table.sum(0)[None])[0], capacity)  # the rule on the whole batch
-        return self.by_all_gather(rows, everyone, keep, kept.sum(0)), stats
-
-    def by_all_to_all(self, tokens, chosen, keep, kept, stats):
-        """Each kept choice's row to its expert's rank, through the experts, and back.
-        kept (N, E): the rows rank i's tokens bring expert e."""
-        N, me, k = self.world, self.rank, chosen.shape[1]
-        order = M.by_expert(chosen, keep)  # my kept choices by expert, so by the rank holding it
-        per_rank = kept.view(N, N, self.local).sum(-1)  # rows rank i sends rank j
-        send, recv = per_rank[me].tolist(), per_rank[:, me].tolist()
-        stats.update(sent_tokens=sum(send) - send[me], received_tokens=sum(recv) - recv[me])
-        rows = dispatch(tokens[order // k], send, recv, self.group)  # rank 0's rows by expert, rank 1's...
-        counts = kept[:, self.first:self.first + self.local]  # (N, E/N)
-        out = self.experts(transpose_blocks(rows, counts), counts.sum(0).tolist())  # by expert, then rank
-        out = combine(transpose_blocks(out, counts.t()), send, recv, self.group)
-        return M.scatter_choices(out, order, chosen.shape)
-
-    def by_all_gather(self, tokens, everyone, keep, per_expert):
-        """--dispatch=allreduce: every rank's tokens here, my experts on the choices routed to
-        them, and the partial outputs summed back to their ranks. everyone (N·n, k): every
-        rank's choices; per_expert (E,): the rows each expert keeps."""
-        k = everyone.shape[1]
-        batch = gather_tokens(tokens, self.group)  # (N·n, h): the global micro-batch, rank-major
-        start = int(per_expert[:self.first].sum())
-        sizes = per_expert[self.first:self.first + self.local].tolist()
-        order = M.by_expert(everyone, keep)[start:start + sum(sizes)]  # the kept choices of my experts
-        out = M.scatter_choices(self.experts(batch[order // k], sizes), order, everyone.shape)  # 0: others' experts
-        return sum_outputs(out.view(everyone.shape[0], -1), self.group).view(-1, k, out.shape[-1])
-
 
 # ----------------------------------------------------------------------------- the step's gradient
 
@@ -257,21 +220,23 @@ def all_reduce_replicated(params, group=None):
 
 def clip_global_norm(replicated, experts, max_norm, group=None):
     """The whole model's gradient norm: the replicas' squares once (every rank has the
-    same), plus every rank's experts' squares (an all-reduce of one float); clipped by it."""
+    same), plus every rank's experts' squares (an all-reduce of one float); clipped by it.
+    The coefficient stays a tensor on the device (1 when the norm is under max_norm): no host sync."""
     sq = torch.stack([p.grad.float().pow(2).sum() for p in experts]).sum().reshape(1)
     C.all_reduce(sq, group=group)
     norm = (sq[0] + sum(p.grad.float().pow(2).sum() for p in replicated)).sqrt()
     coef = M.clip_coef(norm, max_norm)
-    if coef < 1:
-        for p in replicated + experts:
-            p.grad.mul_(coef)
+    for p in replicated + experts:
+        p.grad.mul_(coef)
     return norm
 
 
 def main(argv=None):
     cfg = M.parse_args(DEFAULTS, argv, __doc__)
-    if cfg.dispatch not in ("alltoall", "allreduce"):
-        M.die(f"--dispatch takes alltoall or allreduce, not {cfg.dispatch!r}")
+    if cfg.dispatch == "allreduce":  # its first name; it all-gathers and reduce-scatters, all-reducing nothing
+        cfg.dispatch = "allgather"
+    if cfg.dispatch not in DISPATCH:
+        M.die(f"--dispatch takes alltoall or allgather, not {cfg.dispatch!r}")
     if cfg.n_expert == 0:
         M.die("expert_parallel.py splits a mixture of experts: give --n_expert=E, a multiple of the ranks")
     run = M.start(cfg, "expert_parallel", moe=True)
@@ -280,7 +245,7 @@ def main(argv=None):
         M.die(f"--n_expert={config.n_expert} experts do not divide among {world} rank{'s' * (world > 1)}")
     if cfg.batch_size % world:
         M.die(f"--batch_size={cfg.batch_size} does not divide into {world} rank{'s' * (world > 1)}")
-    group = None  # the whole world; parallel_3d.py runs the same pieces on a sub-group
+    group = None  # the whole world; every piece takes its group, so a mesh could run them on a sub-group
 
     model = M.GPT(config, seed=cfg.seed)
     wire = torch.bfloat16 if cfg.dtype == "bfloat16" else None  # the rows travel in the compute dtype
@@ -331,19 +296,68 @@ def main(argv=None):
         norm = clip_global_norm(replicated, experts, cfg.grad_clip, group) if cfg.grad_clip else 0.0
         optimizer.step()
         # ---------------------------------------------------------------- end of the training step
-        moe = M.moe_log(run, model)
-        if rank == 0:  # the balance: of the ranks' loads, and of each layer's experts
-            loads = [sum(run.record["expert_tokens"][r * local:(r + 1) * local]) for r in range(world)]
-            run.record["load_max_over_mean"] = max(loads) * world / max(1, sum(loads))
-            run.record["expert_max_over_mean"] = [float(m.load.max() / m.load.float().mean().clamp(min=1))
-                                                  for m in M.moe_layers(model)]
-        for m in M.moe_layers(model):
-            m.load = 0
         state = M.tensor_bytes(p for _, p in named) + M.tensor_bytes(p.grad for _, p in named) \
             + M.optimizer_state_bytes(optimizer)
-        dispatch_bytes = sum(b for op, b in C.bytes_by_op().items() if op != "all_reduce")
-        M.end_iter(run, loss=loss.item(), grad_norm=norm, state_bytes=state, dispatch_bytes=dispatch_bytes, **moe)
+        M.end_iter(run, loss=loss.item(), grad_norm=norm, state_bytes=state, **moe_stats(run, model, local))
     return M.finish(run)
+
+# ----------------------------------------------------------------------------- the log and the bytes
+
+def moe_stats(run, model, local):
+    """The step's MoE fields for the log, besides the common ones: model.moe_log's by rank
+    (expert_tokens, dropped_tokens, aux_loss, expert_load, sent_tokens/received_tokens: the
+    rows exchanged with other ranks), dispatch_bytes (the MoE layers' share of comm_bytes),
+    and on rank 0 the balance: load_max_over_mean of the ranks' loads, expert_max_over_mean
+    of each layer's experts'. Resets the layers' load counters."""
+    moe = M.moe_log(run, model)
+    if run.rank == 0:
+        loads = [sum(run.record["expert_tokens"][r * local:(r + 1) * local]) for r in range(run.world)]
+        run.record["load_max_over_mean"] = max(loads) * run.world / max(1, sum(loads))
+        run.record["expert_max_over_mean"] = [float(m.load.max() / m.load.float().mean().clamp(min=1))
+                                              for m in M.moe_layers(model)]
+    for m in M.moe_layers(model):
+        m.load = 0
+    return dict(moe, dispatch_bytes=sum(b for op, b in C.bytes_by_op().items() if op != "all_reduce"))
+
+
+def exchange_bytes(config, cfg, world, sent=None, received=None):
+    """Bytes a rank sends per step at the MoE layers. sent, received: the rows this rank
+    dispatched to other ranks' experts and received from other ranks in the step's
+    forward, summed over the layers: then it is exact; without them, the expectation
+    under uniform routing (the allgather dispatch's is exact).
+
+    A rank routes n = b·s/N tokens to k experts at each of L layers; rows are h wide,
+    `act` bytes a number (4; 2 under bf16 autocast, which the rows travel in).
+      alltoall   the counts' all-gather sends (N-1)·E·k·8 bytes (int64); each of the four
+                 all-to-alls (dispatch and combine, forward and backward) sends what this
+                 rank sends others and then what it received from them:
+                 2·(sent + received)·h·act. Under uniform routing a rank keeps 1/N of its
+                 n·k choices and sends the rest, and as many arrive: 4(N-1)/N·n·k·h·act.
+      allgather  the all-gather of the n·k choices, (N-1)·n·k·8; of the n tokens,
+                 (N-1)·n·h·act; the reduce-scatter of the N·n·k outputs, (N-1)·n·k·h·act;
+                 and backward the same pair reversed, (N-1)·n·(k + 1)·h·act:
+                 2(N-1)·n·h·act·(1+k) + (N-1)·n·k·8, N(1+k)/(2k) times the all-to-all's
+                 (3x at N = 4, k = 2), and growing with N.
+    --capacity_factor applies GShard's drop rule to the global micro-batch, so N ranks drop
+    what one process would."""
+    L, E, k, h, N = config.n_layer, config.n_expert, config.top_k, config.n_embd, world
+    n = cfg.batch_size // N * config.block_size  # tokens a rank routes at each layer
+    act = 2 if cfg.dtype == "bfloat16" else 4
+    if cfg.dispatch == "allgather":
+        return L * ((N - 1) * n * k * 8 + 2 * (N - 1) * n * h * act * (1 + k))
+    if sent is None:  # a rank keeps 1/N of its choices and sends the rest; as many arrive
+        sent = received = L * (N - 1) / N * n * k
+    return L * (N - 1) * E * k * 8 + 2 * (sent + received) * h * act
+
+
+def traffic_per_rank(config, cfg, world, sent=None, received=None):
+    """Bytes a rank sends per step: the MoE layers' exchange_bytes, the replicated
+    gradients' all-reduce 2(N-1)/N·4Ψ_replicated (everything but the experts) and the
+    gradient norm's one float (these two on average over the ranks: a ring's chunks are
+    uneven by an element, a tree's load is uneven)."""
+    replicated = M.param_count(config) - config.n_layer * config.n_expert * M.mlp_params(config, 0)  # all but experts
+    norm = 4 if cfg.grad_clip else 0
+    return exchange_bytes(config, cfg, world, sent, received) + 2 * (world - 1) / world * (4 * replicated + norm)
 
 
 if __name__ == "__main__":

@@ -85,9 +85,14 @@ class CausalSelfAttention(nn.Module):
         # rank that holds only some of the heads runs this same code on its slice
         q, k, v = self.c_attn(x).chunk(3, dim=2)
         q, k, v = (t.view(B, T, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
+        y = self.attend(q, k, v)
         y = y.transpose(1, 2).reshape(B, T, -1)
         return F.dropout(self.c_proj(y), self.dropout, self.training)
+
+    def attend(self, q, k, v):
+        """Causal attention of the T queries on the T keys here, (B, nh, T, hs). The hook
+        context_parallel.py sets to its ring, where the keys are the whole sequence's."""
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
 
 
 class MLP(nn.Module):

@@ -247,7 +247,7 @@ class Stage(nn.Module):
         if chunk == 0:
             x = TP.embed_forward(t["wte"], t["wpe"], x, g, sp, self.config.dropout, self.training)
         for i in self.chunks[chunk]:
-            x = TP.block_forward(t["h"][str(i)], x, g, sp)
+            x = TP.block_forward(t["h"][str(i)], x)
         return TP.head_forward(t["ln_f"], self.head(), x, targets, g, sp) if chunk == self.n_chunks - 1 else x
 
 

@@ -18,62 +18,15 @@ on those slices and never gathers the b x s x V logits. LayerNorms, the biases o
 row-parallel layers and the position embedding are small: every rank has a copy.
 
 What it sends, and when. Two conjugate operations mark where a parallel region starts
-and where it ends (Megatron's f and g):
-    f  copy_to_parallel_region       identity forward, all-reduce backward   before c_attn, c_fc, the head
-    g  reduce_from_parallel_region   all-reduce forward, identity backward   after each c_proj, the embedding
-so each block does 2 all-reduces of b·s·h activations forward and 2 backward, plus one
-for the embedding (forward) and one for the head (backward), plus the loss's 3
-all-reduces of b·s numbers (max, target logit, sum of exp) and one number for the
-gradient norm. Under bf16 autocast f's input is cast to bf16 first (the matmul behind
-it would cast it anyway), so f's backward and the c_proj outputs move bf16; the
-embedding's rows stay float32, as the one-process run keeps them (the residual stream
-is float32). A ring all-reduce of S bytes makes each rank send 2(N-1)/N·S, so per rank
-per step, with d the compute dtype's bytes (4 float32, 2 bfloat16):
-
-    2(N-1)/N · b·s·h · ((4L + 1)·d + 4)  +  3 all-reduces of b·s floats  +  1 float
-
-which in float32 is the (4L + 2) · 2(N-1)/N · 4·b·s·h of the README's "The numbers
-behind the strategies". (collectives.py all-reduces messages under its
-SMALL_ALL_REDUCE_BYTES with a binomial tree instead: the same total, unevenly over the
-ranks; the tests count both exactly.) Unlike DDP's, this traffic grows with the batch,
-not the model; it sits on the critical path of every layer, forward and backward; and
-it does not shrink as N grows: tensor parallelism is for the fast links inside one
-node. What it buys: each rank holds 1/N of the parameters, gradients and Adam state
-(16Ψ/N bytes in float32, plus the small replicas), and 1/N of the activations inside
-the regions: s·b·h(10 + 24/N + 5as/(hN)) bytes per layer instead of s·b·h(34 + 5as/h)
-(16-bit activations; Korthikanti et al. 2022, "Reducing activation recomputation").
-
---sequence_parallel=True (Korthikanti et al. 2022). Between the parallel regions the
-LayerNorms, dropouts and residual adds treat each token alone, yet plain tensor
-parallelism repeats them on every rank for every token. With it, each rank keeps s/N
-positions of the sequence there: g becomes reduce_scatter_to_sequence_parallel_region
-(sum, and keep your positions) and f gather_from_sequence_parallel_region (all-gather
-the whole sequence), and in backward each is the other. The bytes are the same (a ring
-all-reduce IS a reduce-scatter then an all-gather; the embedding's pair is float32
-both ways); the LayerNorm and dropout activations shrink N times. (Megatron also drops
-the all-gathered input of c_attn and c_fc after forward and gathers it again in
-backward, for s·b·h(34 + 5as/h)/N per layer; here the linear keeps it, for simplicity.)
-The replicated parameters now see only their rank's positions, so their gradients
-are all-reduced once per step, in float32: 2(N-1)/N · (6Lh + 2h + block_size·h) · 4 more.
-
-Layout. The residual stream is (s, b, h), sequence first, as in Megatron: a rank's
-sequence-parallel positions are then one contiguous block (rows [r·s/N, (r+1)·s/N)),
-so the all-gathers and reduce-scatters need no copies and no transposes. Attention is
-model.CausalSelfAttention's code on this layout; the one place the layout can cost a
-copy is its output: `y.permute(...).reshape(...)` is a view when SDPA writes y in q's
-(s, b, ...) memory order (the CPU kernels do) and a copy of this rank's b·s·h/N
-attention output when it writes (b, s, ...) (the mirror image of model.py's own
-transpose). Besides it only the b·s target ids are copied (flattened from an (s, b)
-view); f's backward and g's forward reduce in place.
-
-Dropout (0 by default): every rank draws from one seed, so the replicated regions'
-masks agree and the replicas stay equal, but inside a region the ranks' heads draw the
-same masks; Megatron forks a per-rank generator there.
-
-The pieces take the process group they run on (`group`, None = the whole world), so
-that a 3-D layout can run them on its tensor parallel sub-groups: build_model,
-forward (embed_forward, block_forward, head_forward), sum_replicated_grads,
-clip_global_norm, checkpoint_entries.
+and where it ends (Megatron's f and g): f, in front of each column-parallel layer, is
+the identity forward and all-reduces the input's gradient backward; g, at the end of
+each row-parallel layer (and of the embedding), all-reduces the partial sums forward
+and is the identity backward: per block 2 all-reduces of b·s·h activations forward and
+2 backward, and the loss's 3 of b·s numbers. --sequence_parallel=True (Korthikanti et
+al. 2022) keeps s/N positions a rank between the regions, where LayerNorm, dropout and
+the residual adds treat each token alone: g becomes a reduce-scatter and f an
+all-gather (backward, each is the other), the same bytes and N times smaller LayerNorm
+and dropout activations. traffic_per_rank() derives the bytes.
 """
 import torch
 import torch.nn as nn
@@ -84,26 +37,14 @@ import model as M
 
 DEFAULTS = dict(M.TRAIN_DEFAULTS, sequence_parallel=False)
 
-
-def traffic_per_rank(config, cfg, world):
-    """The docstring's formula: bytes a rank sends per step, on average over the ranks
-    (a ring sends 2(N-1)/N·S from every rank; the tree that small all-reduces take
-    sends the same total, unevenly). Activations travel in the compute dtype, the
-    embedding's rows, the loss's numbers and all gradients of parameters in float32."""
-    dtype = M.auto_dtype() if cfg.dtype == "auto" else cfg.dtype
-    d = 2 if dtype == "bfloat16" else 4
-    ar = 2 * (world - 1) / world  # an all-reduce, or a reduce-scatter plus an all-gather
-    L, h, bs = config.n_layer, config.n_embd, cfg.batch_size * config.block_size
-    total = ar * bs * h * ((4 * L + 1) * d + 4) + 3 * ar * bs * 4 + ar * 4
-    if cfg.sequence_parallel:  # LayerNorms (and their biases), row-parallel biases, ln_f, wpe
-        per_block, final = (6 * h, 2 * h) if config.bias else (2 * h, h)
-        total += ar * (L * per_block + final + config.block_size * h) * 4
-    return total
-
 # -----------------------------------------------------------------------------
 # f and g: where a parallel region starts and ends (the names of Megatron's mappings.py)
 #
-# Each takes the group it runs on and does nothing on a group of one.
+# Each takes the group it runs on and does nothing on a group of one. Every f stands in
+# front of a matmul, and it is where activations start to travel (their gradient
+# backward; with sequence parallelism the activations too), so it casts its input to
+# the matmul's dtype first: bf16 under autocast, as the matmul would cast it anyway. The
+# numbers are the one-process run's, and f moves bf16, not LayerNorm's float32.
 
 
 class _CopyToParallelRegion(torch.autograd.Function):
@@ -182,7 +123,8 @@ class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
 # torch.compile runs these eagerly (a graph break) and compiles the math in between
 @torch.compiler.disable
 def copy_to_parallel_region(x, group=None):
-    """f: x as it is; its gradient all-reduced over the group."""
+    """f: x in the matmul's dtype; its gradient all-reduced over the group."""
+    x = as_matmul_input(x)
     return x if C.get_world_size(group) == 1 else _CopyToParallelRegion.apply(x, group)
 
 
@@ -194,7 +136,9 @@ def reduce_from_parallel_region(x, group=None):
 
 @torch.compiler.disable
 def gather_from_sequence_parallel_region(x, group=None):
-    """f with sequence parallelism: (s/N, b, h) all-gathered to (s, b, h); the gradient reduce-scattered."""
+    """f with sequence parallelism: (s/N, b, h) in the matmul's dtype, all-gathered to
+    (s, b, h); the gradient reduce-scattered."""
+    x = as_matmul_input(x)
     return x if C.get_world_size(group) == 1 else _GatherFromSequenceParallelRegion.apply(x, group)
 
 
@@ -205,10 +149,15 @@ def reduce_scatter_to_sequence_parallel_region(x, group=None):
     return x if C.get_world_size(group) == 1 else _ReduceScatterToSequenceParallelRegion.apply(x, group)
 
 
+def region_ops(sp):
+    """(f, g): the plain pair, or sequence parallelism's."""
+    if sp:
+        return gather_from_sequence_parallel_region, reduce_scatter_to_sequence_parallel_region
+    return copy_to_parallel_region, reduce_from_parallel_region
+
+
 def as_matmul_input(x):
-    """x as autocast hands it to a matmul: in its dtype (bf16) under autocast, else as it
-    is. Cast before f, so that f moves the matmul's dtype, not LayerNorm's float32:
-    the same numbers the one-process run multiplies."""
+    """x as autocast hands it to a matmul: in its dtype (bf16) under autocast, else as it is."""
     dev = x.device.type
     return x.to(torch.get_autocast_dtype(dev)) if torch.is_autocast_enabled(dev) else x
 
@@ -223,51 +172,33 @@ def as_matmul_input(x):
 # of three such slices (this rank's q, k and v rows).
 
 
-def shard_index(size, dim, rank, world, parts=1):
-    """This rank's part of a global dimension of `size`: (dim, start, stop). parts=3
-    for c_attn, whose rows are q, k and v stacked: the rank takes its slice of each,
-    so its local c_attn is [q_local; k_local; v_local] and owns whole heads of all three."""
-    part = size // parts
-    n = part // world
-    slices = [(dim, j * part + rank * n, j * part + (rank + 1) * n) for j in range(parts)]
-    return slices if parts > 1 else slices[0]
+class ColumnParallelLinear(nn.Module):
+    """Y_i = f(X) A_i (+ b_i): this rank's output features of an nn.Linear (weight rows
+    and bias), on the whole input, giving this rank's part of the output. parts=3 for
+    c_attn, whose rows are q, k and v stacked. (Under sequence parallelism Megatron also
+    drops f's all-gathered input after forward and gathers it again in backward; here
+    the matmul keeps it, for simplicity.)"""
 
+    def __init__(self, linear, group=None, sp=False, parts=1):
+        super().__init__()
+        self.weight = sharded_param(linear.weight, 0, group, parts)
+        self.bias = sharded_param(linear.bias, 0, group, parts) if linear.bias is not None else None
+        self.group, self.f = group, region_ops(sp)[0]
 
-def take(full, index):
-    """The part `index` (from shard_index) of the full tensor, as a new tensor."""
-    slices = index if isinstance(index, list) else [index]
-    return torch.cat([full.narrow(d, a, b - a) for d, a, b in slices], slices[0][0])
-
-
-def sharded_param(full, dim, group, parts=1):
-    index = shard_index(full.shape[dim], dim, C.get_rank(group), C.get_world_size(group), parts)
-    p = nn.Parameter(take(full.detach(), index))
-    p.tp_index = index
-    return p
-
-
-def column_parallel(linear, group=None, parts=1):
-    """Keep this rank's output features of an nn.Linear (weight rows and bias): it is
-    still a plain nn.Linear, on the whole input, giving this rank's part of the output.
-    The f in front of it is in block_forward."""
-    linear.weight = sharded_param(linear.weight, 0, group, parts)
-    if linear.bias is not None:
-        linear.bias = sharded_param(linear.bias, 0, group, parts)
-    linear.out_features = linear.weight.shape[0]
-    return linear
+    def forward(self, x):
+        return F.linear(self.f(x, self.group), self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
-    """y = g(x_local W_local^T) + b: the weight split by input features, the input
-    arriving already split the same way (the output of a column-parallel layer). The
-    bias is replicated and added after the sum, so that it is added once."""
+    """Y = g(X_i A_i) + b: the weight split by input features, the input arriving
+    already split the same way (the output of a column-parallel layer). The bias is
+    replicated and added after the sum, so that it is added once."""
 
     def __init__(self, linear, group=None, sp=False):
         super().__init__()
         self.weight = sharded_param(linear.weight, 1, group)
         self.bias = nn.Parameter(linear.bias.detach().clone()) if linear.bias is not None else None
-        self.group = group
-        self.g = reduce_scatter_to_sequence_parallel_region if sp else reduce_from_parallel_region
+        self.group, self.g = group, region_ops(sp)[1]
 
     def forward(self, x):
         y = self.g(F.linear(x, self.weight), self.group)
@@ -277,17 +208,17 @@ class RowParallelLinear(nn.Module):
 class VocabParallelEmbedding(nn.Module):
     """Rows [lo, lo + V/N) of the token embedding. A token outside them gets zeros here;
     the rank that owns it supplies its row, and g's sum puts every token's row in place
-    on every rank (exactly: one rank adds the row, the others zeros). Pass the ids as
-    (s, b), so that the output has the (s, b, h) layout that sequence parallelism cuts
-    along dim 0. The same matrix is the output head (the tie), so its gradient collects
-    both uses locally: the tie costs no communication."""
+    on every rank (exactly: one rank adds the row, the others zeros; the rows stay
+    float32, as the one-process run's residual stream). Pass the ids as (s, b), so that
+    the output has the (s, b, h) layout that sequence parallelism cuts along dim 0. The
+    same matrix is the output head (the tie), so its gradient collects both uses
+    locally: the tie costs no communication."""
 
     def __init__(self, embedding, group=None, sp=False):
         super().__init__()
         self.weight = sharded_param(embedding.weight, 0, group)
         self.lo = self.weight.tp_index[1]
-        self.group = group
-        self.g = reduce_scatter_to_sequence_parallel_region if sp else reduce_from_parallel_region
+        self.group, self.g = group, region_ops(sp)[1]
 
     def forward(self, idx):
         local = idx - self.lo
@@ -337,15 +268,54 @@ def vocab_parallel_cross_entropy(logits, targets, lo, group=None):
     flat = logits.float().reshape(-1, logits.shape[-1])
     return _VocabParallelCrossEntropy.apply(flat, targets.reshape(-1), lo, group).mean()
 
+
+def shard_index(size, dim, rank, world, parts=1):
+    """This rank's part of a global dimension of `size`: (dim, start, stop). parts=3
+    for c_attn, whose rows are q, k and v stacked: the rank takes its slice of each,
+    so its local c_attn is [q_local; k_local; v_local] and owns whole heads of all three."""
+    part = size // parts
+    n = part // world
+    slices = [(dim, j * part + rank * n, j * part + (rank + 1) * n) for j in range(parts)]
+    return slices if parts > 1 else slices[0]
+
+
+def take(full, index):
+    """The part `index` (from shard_index) of the full tensor, as a new tensor."""
+    slices = index if isinstance(index, list) else [index]
+    return torch.cat([full.narrow(d, a, b - a) for d, a, b in slices], slices[0][0])
+
+
+def sharded_param(full, dim, group, parts=1):
+    index = shard_index(full.shape[dim], dim, C.get_rank(group), C.get_world_size(group), parts)
+    p = nn.Parameter(take(full.detach(), index))
+    p.tp_index = index
+    return p
+
 # -----------------------------------------------------------------------------
 # the model: each rank's slice of model.GPT(config, seed)
+#
+# What it buys: each rank holds 1/N of the parameters, gradients and Adam state (16Ψ/N
+# bytes in float32, plus the small replicas), and 1/N of the activations inside the
+# regions: s·b·h(10 + 24/N + 5as/(hN)) bytes per layer instead of s·b·h(34 + 5as/h)
+# (16-bit activations, a heads; Korthikanti et al. 2022, "Reducing activation
+# recomputation"); sequence parallelism shrinks the LayerNorm and dropout part N times.
+#
+# Layout. The residual stream is (s, b, h), sequence first, as in Megatron: a rank's
+# sequence-parallel positions are then one contiguous block (rows [r·s/N, (r+1)·s/N)),
+# so the all-gathers and reduce-scatters need no copies and no transposes. Besides the
+# attention output (see attention()) only the b·s target ids are copied (flattened from
+# an (s, b) view); f's backward and g's forward reduce in place.
+#
+# Dropout (0 by default): every rank draws from one seed, so the replicated regions'
+# masks agree and the replicas stay equal, but inside a region the ranks' heads draw the
+# same masks; Megatron forks a per-rank generator there.
 
 
 def parallel_block(block, group=None, sp=False):
     """A model.Block cut down to this rank's heads and MLP columns (in place)."""
-    block.attn.c_attn = column_parallel(block.attn.c_attn, group, parts=3)
+    block.attn.c_attn = ColumnParallelLinear(block.attn.c_attn, group, sp, parts=3)
     block.attn.c_proj = RowParallelLinear(block.attn.c_proj, group, sp)
-    block.mlp.c_fc = column_parallel(block.mlp.c_fc, group)
+    block.mlp.c_fc = ColumnParallelLinear(block.mlp.c_fc, group, sp)
     block.mlp.c_proj = RowParallelLinear(block.mlp.c_proj, group, sp)
     return block
 
@@ -370,38 +340,40 @@ def split_params(model):
 
 def attention(attn, x):
     """model.CausalSelfAttention.forward in the (s, b, h) layout, on this rank's heads
-    (counted from c_attn's size). c_proj is row-parallel: it ends the region with g."""
-    T, B, _ = x.shape
-    q, k, v = attn.c_attn(x).chunk(3, dim=2)  # (s, b, h/N) each: this rank's heads
+    (counted from c_attn's size): f inside c_attn, g inside c_proj."""
+    qkv = attn.c_attn(x)  # (s, b, 3h/N): under sequence parallelism f in c_attn gathers the whole sequence
+    T, B, _ = qkv.shape
+    q, k, v = qkv.chunk(3, dim=2)  # (s, b, h/N) each: this rank's heads
     q, k, v = (t.view(T, B, -1, attn.head_dim).permute(1, 2, 0, 3) for t in (q, k, v))  # (b, nh/N, s, hs), views
     y = F.scaled_dot_product_attention(q, k, v, dropout_p=attn.dropout if attn.training else 0.0, is_causal=True)
-    y = y.permute(2, 0, 1, 3).reshape(T, B, -1)  # a view, or the layout's one copy (see the docstring)
+    # a view when SDPA writes y in q's (s, b, ...) memory order (the CPU kernels do), else
+    # the layout's one copy, of this rank's b·s·h/N (the mirror image of model.py's transpose)
+    y = y.permute(2, 0, 1, 3).reshape(T, B, -1)
     return F.dropout(attn.c_proj(y), attn.dropout, attn.training)
 
 
 def embed_forward(wte, wpe, idx, group=None, sp=False, dropout=0.0, training=False):
     """(b, s) token ids -> the residual stream (s, b, h), or with sequence parallelism
-    this rank's positions (s/N, b, h). g is inside wte: float32 rows, summed exactly."""
+    this rank's positions (s/N, b, h). g is inside wte."""
     s = idx.shape[1] // C.get_world_size(group) if sp else idx.shape[1]
     first = C.get_rank(group) * s if sp else 0
     pos = torch.arange(first, first + s, device=idx.device)
     return F.dropout(wte(idx.t()) + wpe(pos)[:, None], dropout, training)
 
 
-def block_forward(block, x, group=None, sp=False):
-    """model.Block.forward with the regions in view: f before each of c_attn and c_fc,
-    g inside each c_proj. 2 all-reduces of b·s·h forward (the g's) and 2 backward (the
-    f's) per block; with sequence parallelism each is a reduce-scatter and an all-gather."""
-    f = gather_from_sequence_parallel_region if sp else copy_to_parallel_region
-    x = x + attention(block.attn, f(as_matmul_input(block.ln_1(x)), group))
-    return x + block.mlp(f(as_matmul_input(block.ln_2(x)), group))
+def block_forward(block, x):
+    """model.Block.forward in the (s, b, h) layout. Its parallel layers hold their f and
+    g: 2 all-reduces of b·s·h forward (the g's in c_proj) and 2 backward (the f's in
+    c_attn and c_fc); with sequence parallelism each is a reduce-scatter and an all-gather."""
+    x = x + attention(block.attn, block.ln_1(x))
+    return x + block.mlp(block.ln_2(x))
 
 
 def head_forward(ln_f, wte, x, targets, group=None, sp=False):
     """The final norm, f (the head is column-parallel over the vocabulary), this rank's
     (s, b, V/N) logits through the tied matrix, and the mean loss over every token."""
-    f = gather_from_sequence_parallel_region if sp else copy_to_parallel_region
-    logits = F.linear(f(as_matmul_input(ln_f(x)), group), wte.weight)
+    f = region_ops(sp)[0]
+    logits = F.linear(f(ln_f(x), group), wte.weight)
     return vocab_parallel_cross_entropy(logits, targets.t(), wte.lo, group)
 
 
@@ -410,7 +382,7 @@ def forward(model, idx, targets, group=None, sp=False, dropout=0.0):
     t = model.transformer
     x = embed_forward(t.wte, t.wpe, idx, group, sp, dropout, model.training)
     for block in t.h:
-        x = block_forward(block, x, group, sp)
+        x = block_forward(block, x)
     return head_forward(t.ln_f, t.wte, x, targets, group, sp)
 
 
@@ -520,6 +492,44 @@ def main(argv=None):
         run.record["sequence_parallel"] = sp
         M.end_iter(run, loss=loss.item(), grad_norm=norm, state_bytes=state)
     return M.finish(run)
+
+# -----------------------------------------------------------------------------
+# the bytes
+
+
+def traffic_per_rank(config, cfg, world):
+    """Bytes a rank sends per step, on average over the ranks.
+
+    A ring all-reduce of S bytes is a reduce-scatter then an all-gather, N-1 steps of S/N
+    each: every rank sends 2(N-1)/N·S. (collectives.py all-reduces messages under its
+    SMALL_ALL_REDUCE_BYTES with a binomial tree instead: the same total, unevenly over
+    the ranks; the tests count both exactly.) With b·s tokens a step, h = n_embd, L
+    layers and d the compute dtype's bytes (4 float32, 2 bfloat16), what is all-reduced:
+      blocks     2 g's forward, 2 f's backward, b·s·h each: 4L, in the compute dtype
+      head       its f, backward: 1 more, in the compute dtype (f casts its input first)
+      embedding  its g, forward: b·s·h float32 rows, as the one-process run keeps them
+      loss       3 all-reduces of b·s float32 numbers (max, target logit, sum of exp)
+      norm       the squared gradient norm, 1 float
+    so  2(N-1)/N · b·s·h · ((4L + 1)·d + 4)  +  3 · 2(N-1)/N · b·s·4  +  2(N-1)/N · 4,
+    which in float32 is the (4L + 2) · 2(N-1)/N · 4·b·s·h of the README's "The numbers
+    behind the strategies", plus the loss's and the norm's few bytes.
+    --sequence_parallel: each all-reduce becomes a reduce-scatter plus an all-gather,
+    (N-1)/N·S each: the same bytes. The replicated parameters (LayerNorms and their
+    biases, row-parallel biases, ln_f, wpe) now see only their rank's positions, so their
+    gradients are all-reduced once a step in float32: 2(N-1)/N · (6Lh + 2h + block_size·h)
+    · 4 more (2Lh + h + block_size·h without biases).
+    Unlike DDP's, this traffic grows with the batch, not the model; it sits on the
+    critical path of every layer, forward and backward; and it does not shrink as N
+    grows: tensor parallelism is for the fast links inside one node."""
+    dtype = M.auto_dtype() if cfg.dtype == "auto" else cfg.dtype
+    d = 2 if dtype == "bfloat16" else 4
+    ar = 2 * (world - 1) / world  # an all-reduce, or a reduce-scatter plus an all-gather
+    L, h, bs = config.n_layer, config.n_embd, cfg.batch_size * config.block_size
+    total = ar * bs * h * ((4 * L + 1) * d + 4) + 3 * ar * bs * 4 + ar * 4
+    if cfg.sequence_parallel:  # LayerNorms (and their biases), row-parallel biases, ln_f, wpe
+        per_block, final = (6 * h, 2 * h) if config.bias else (2 * h, h)
+        total += ar * (L * per_block + final + config.block_size * h) * 4
+    return total
 
 
 if __name__ == "__main__":

@@ -69,7 +69,7 @@ def dispatch_table(args, common, tmp):
     print("-" * len(header))
     for n in (int(r) for r in args.ranks.split(",")):
         moe = {}
-        for mode in ("alltoall", "allreduce"):
+        for mode in EP.DISPATCH:
             flags = common + [f"--max_iters={args.steps}", f"--dispatch={mode}"]
             records = launch(n, flags, os.path.join(tmp, f"{mode}.{n}.jsonl"), args.timeout)[1:]
             cfg = M.parse_args(EP.DEFAULTS, flags)

@@ -37,17 +37,17 @@ def _ring_attention_errors(world):
     results = {}
     for layout in LAYOUTS:
         for dtype in DTYPES:
-            ring = CP.Ring(None, layout)
+            ring, clock = CP.Ring(None, layout), CP.Clock()
             pos = CP.positions(S, ring.me, ring.n, layout)
             mine = [t[:, :, pos].to(dtype).requires_grad_() for t in (q, k, v)]
             C.reset_bytes()
-            out = CP.ring_attention(*mine, ring)
+            out = CP.ring_attention(*mine, ring, clock)
             out.backward(dout[:, :, pos].to(dtype))
             sent = C.bytes_sent()
             errors = [(out.float() - out_ref[:, :, pos]).abs().max().item()]
             errors += [(a.grad.float() - b.grad[:, :, pos]).abs().max().item() for a, b in zip(mine, ref)]
             typed = out.dtype == dtype and all(t.grad.dtype == dtype for t in mine)
-            results[(layout, str(dtype))] = (errors, sent, typed, ring.take_ms())
+            results[(layout, str(dtype))] = (errors, sent, typed, clock.take_ms())
     return results
 
 
@@ -96,9 +96,10 @@ def _saved_bytes_one_process(rows, tokens):
     import context_parallel as CP
     model = M.GPT(M.make_config("tiny", VOCAB, block_size=32), seed=7)
     x, y = torch.zeros(rows, tokens, dtype=torch.long), torch.ones(rows, tokens, dtype=torch.long)
+    CP.use_ring(model, CP.Ring(None, "contiguous"))
     counting, saved = M.saved_bytes(list(model.parameters()))
     with counting:
-        CP.forward(model, x, y, torch.arange(tokens), CP.Ring(None, "contiguous"))
+        CP.forward(model, x, y, torch.arange(tokens))
     return sum(saved.values())
 
 
@@ -194,6 +195,7 @@ def test_bad_flags_are_one_line(train_args, capsys):
         assert err.count("error:") == 1 and err.startswith(message), err
 
 
+@pytest.mark.quick
 def test_block_size_that_does_not_divide_fails_on_every_rank(train_args):
     # 30 tokens: 2 ranks could take 15 each, but zigzag cuts the sequence into 4 equal chunks
     r = torchrun("context_parallel.py", 2, train_args + ["--block_size=30"], timeout=300)

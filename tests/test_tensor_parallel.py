@@ -90,16 +90,15 @@ def check_layers(rank, world):
 
     for sp in (False, True):
         tag = " (sequence parallel)" if sp else ""
-        f = TP.gather_from_sequence_parallel_region if sp else TP.copy_to_parallel_region
         # column-parallel c_attn: f, then this rank's q, k, v columns (whole heads)
         full = nn.Linear(H, 3 * H)
         x, gy = torch.randn(B, T, H), torch.randn(B, T, 3 * H)
         y, gx, grads = run(full, x, gy)
-        par = TP.column_parallel(copy.deepcopy(full), None, parts=3)
+        par = TP.ColumnParallelLinear(copy.deepcopy(full), None, sp, parts=3)
         cols = TP.shard_index(3 * H, 2, rank, world, parts=3)
         assert par.weight.tp_index == [(0, a, b) for _, a, b in cols]  # the checkpoint's q|k|v slices
         xl = seq(x, rank, world, sp).requires_grad_()
-        yl = par(f(xl))
+        yl = par(xl)
         close(yl, TP.take(seq(y, 0, 1, False), cols), "column-parallel output" + tag)
         yl.backward(TP.take(seq(gy, 0, 1, False), cols))
         close(xl.grad, seq(gx, rank, world, sp), "column-parallel input grad" + tag)
@@ -136,7 +135,7 @@ def check_layers(rank, world):
         y, gx, grads = run(full, x, gy)
         par = TP.parallel_block(copy.deepcopy(full), None, sp)
         xl = seq(x, rank, world, sp).requires_grad_()
-        yl = TP.block_forward(par, xl, None, sp)
+        yl = TP.block_forward(par, xl)
         close(yl, seq(y, rank, world, sp), "block output" + tag)
         yl.backward(seq(gy, rank, world, sp))
         close(xl.grad, seq(gx, rank, world, sp), "block input grad" + tag)
