@@ -224,11 +224,8 @@ def clip_global_norm(replicated, experts, max_norm, group=None):
     The coefficient stays a tensor on the device (1 when the norm is under max_norm): no host sync."""
     sq = torch.stack([p.grad.float().pow(2).sum() for p in experts]).sum().reshape(1)
     C.all_reduce(sq, group=group)
-    norm = (sq[0] + sum(p.grad.float().pow(2).sum() for p in replicated)).sqrt()
-    coef = M.clip_coef(norm, max_norm)
-    for p in replicated + experts:
-        p.grad.mul_(coef)
-    return norm
+    sq = sq[0] + sum(p.grad.float().pow(2).sum() for p in replicated)
+    return M.clip_by_global_norm(sq, [p.grad for p in replicated + experts], max_norm)
 
 
 def main(argv=None):

@@ -21,7 +21,7 @@ import shutil
 import sys
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass, asdict
+from dataclasses import dataclass, asdict, field
 from types import SimpleNamespace
 
 import numpy as np
@@ -605,6 +605,22 @@ def clip_coef(total_norm, max_norm):
     return min(1.0, max_norm / (float(total_norm) + 1e-6))
 
 
+def clip_by_global_norm(sq, grads, max_norm, groups=()):
+    """The clip every strategy ends its step with. sq: this rank's part of the squared norm
+    of the whole model's gradient (what differs between strategies: which tensors a rank
+    counts, so that each element is counted once); its sum over each of `groups` in turn
+    (one all-reduce of one float each) is the whole model's. Then every gradient in
+    `grads` is scaled as torch.nn.utils.clip_grad_norm_ does, the coefficient a tensor on
+    the device: no host sync. -> the norm, a tensor."""
+    for group in groups:
+        C.all_reduce(sq, group=group)
+    norm = sq.sqrt()
+    coef = clip_coef(norm, max_norm)
+    for g in grads:
+        g.mul_(coef)
+    return norm
+
+
 # -----------------------------------------------------------------------------
 # FLOPs and MFU
 
@@ -832,6 +848,32 @@ def check_flags(cfg):
 #   return M.finish(run)
 
 
+@dataclass
+class Run:
+    """Everything a run carries between the skeleton's calls, made by start(); a strategy
+    reads it and sets only `layout`. The rest is filled in as the run goes."""
+    cfg: SimpleNamespace          # the flags, checked
+    strategy: str                 # "ddp", "fsdp", ...: written into checkpoints
+    rank: int                     # this process in the world
+    world: int
+    local_rank: int               # this process on its machine (its GPU)
+    device: torch.device
+    config: GPTConfig             # the model's shape
+    vocab_size: int               # the data's, before padding
+    tokenizer: dict               # how sample.py reads the ids back: {"tokenizer": "char", "chars": ...} or {}
+    train: np.ndarray             # the token splits, memory-mapped
+    val: np.ndarray
+    autocast: object              # the context every forward runs in (bf16 autocast, or nothing)
+    peak: float = None            # the device's peak FLOP/s for MFU (None: unknown, no MFU)
+    layout: dict = field(default_factory=dict)  # the strategy's split, for the checkpoint's manifest
+    start_iter: int = 0           # restore(): the step a resumed run continues from
+    entries: list = None          # restore(): what this rank holds, for save_checkpoint
+    optimizer: object = None      # restore()
+    log: object = None            # restore(): rank 0's Logger
+    record: dict = None           # begin_iter(): this iteration's log record, being filled
+    t0: object = None             # begin_iter(): the step's start on the device's clock
+
+
 def start(cfg, strategy, moe=False):
     """Check the common flags and the data, start the process group (with the
     timeout), build the model's config, seed. Every rank checks the same things
@@ -862,9 +904,9 @@ def start(cfg, strategy, moe=False):
         torch.backends.cudnn.deterministic = True
         torch.use_deterministic_algorithms(True, warn_only=True)  # an op with no such kernel warns, naming itself
     autocast = nullcontext() if cfg.dtype == "float32" else torch.autocast(device.type, dtype=torch.bfloat16)
-    return SimpleNamespace(cfg=cfg, strategy=strategy, rank=rank, world=world, local_rank=local_rank, device=device,
-                           config=config, vocab_size=vocab_size, tokenizer=tokenizer, train=train, val=val, autocast=autocast, start_iter=0, layout={},
-                           peak=peak_flops(device, cfg.peak_flops, cfg.dtype), log=None, record=None)
+    return Run(cfg=cfg, strategy=strategy, rank=rank, world=world, local_rank=local_rank, device=device,
+               config=config, vocab_size=vocab_size, tokenizer=tokenizer, train=train, val=val, autocast=autocast,
+               peak=peak_flops(device, cfg.peak_flops, cfg.dtype))
 
 
 def check_moe(cfg, strategy, moe):

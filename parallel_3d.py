@@ -290,13 +290,7 @@ def clip_global_norm(stage, max_norm, tp_group, pp_group):
     sharded, replicated = TP.split_params(stage)
     copy = stage.tied() if stage.last and not stage.first else None
     sq = TP.grad_sq_norm([p for p in sharded if p is not copy], replicated, tp_group)
-    C.all_reduce(sq, group=tp_group)
-    C.all_reduce(sq, group=pp_group)
-    norm = sq.sqrt()
-    coef = M.clip_coef(norm, max_norm)
-    for p in sharded + replicated:
-        p.grad.mul_(coef)
-    return norm
+    return M.clip_by_global_norm(sq, [p.grad for p in sharded + replicated], max_norm, [tp_group, pp_group])
 
 # -----------------------------------------------------------------------------
 # the run

@@ -352,12 +352,7 @@ def clip_global_norm(stage, max_norm, group=None):
     for p in params:
         if p is not copy:
             sq += p.grad.float().pow(2).sum()
-    C.all_reduce(sq, op="sum", group=group)
-    norm = sq.sqrt()
-    coef = M.clip_coef(norm, max_norm)
-    for p in params:
-        p.grad.mul_(coef)
-    return norm
+    return M.clip_by_global_norm(sq, [p.grad for p in params], max_norm, [group])
 
 
 def traffic_per_rank(config, cfg, world):

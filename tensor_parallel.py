@@ -422,13 +422,8 @@ def grad_sq_norm(sharded, replicated, group=None):
 def clip_global_norm(sharded, replicated, max_norm, group=None):
     """The global gradient norm (one all-reduce of one float32 number), and clipping by
     it as torch.nn.utils.clip_grad_norm_ does: no host sync, the coefficient stays a tensor."""
-    norm = grad_sq_norm(sharded, replicated, group)
-    C.all_reduce(norm, group=group)
-    norm = norm.sqrt()
-    coef = M.clip_coef(norm, max_norm)
-    for p in sharded + replicated:
-        p.grad.mul_(coef)
-    return norm
+    return M.clip_by_global_norm(grad_sq_norm(sharded, replicated, group),
+                                 [p.grad for p in sharded + replicated], max_norm, [group])
 
 
 def main(argv=None):
