@@ -425,7 +425,7 @@ def build_units(config, cfg, group, device):
         if i <= 0:  # the ends' function, and the one every block runs (the module kept without its weights)
             run = functional(module.to("meta").eval(), layout)
             # dynamic=False: the shapes never change, but the ends and the blocks share run's code,
-            # and dynamo would take their different shapes for dynamic ones (a compile 5x slower)
+            # and dynamo would take their different shapes for dynamic ones (symbolic graphs, slower to build)
             run = torch.compile(run, dynamic=False) if cfg.compile else run
         units[-1].run = run
     return units
