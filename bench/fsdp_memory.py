@@ -12,6 +12,8 @@ the figure of the strategy's own formula, traffic_per_rank() (ZeRO-3: 3(N-1)/N·
 and ZeRO-1/2: 2(N-1)/N·4Ψ, Ψ = parameters, padded for the ZeRO runs; an average over
 ranks, which differ by a few bytes of the norm's all-reduce). "gathered" is the most
 units whose full weights existed at once (ZeRO-3: 1 + prefetch; ZeRO-1/2 keep all).
+State is what a rank keeps (the most of any rank), next to fsdp.state_per_rank() (fp32:
+ZeRO-1 8Ψ + 8Ψ/N, ZeRO-2 4Ψ + 12Ψ/N, ZeRO-3 16Ψ/N, with padding; DDP keeps 16Ψ).
 On CPU ranks over gloo the collectives run on a background thread that
 competes with the compute for the same cores, so what prefetch buys here is small next
 to what it buys on GPUs, where the copy engines and NVLink work beside the SMs.
@@ -52,13 +54,16 @@ def launch(script, world, args, log, timeout):
         return [json.loads(line) for line in f if line.strip()]
 
 
-def traffic_formula(script, flags, world):
-    """The strategy's own closed form for the bytes a rank sends per step."""
+def formulas(script, flags, world):
+    """The strategy's own closed forms: the bytes a rank sends per step, and (fsdp.py) the most
+    state any rank keeps; None where the strategy has no such formula."""
     import model as M
     module = importlib.import_module(script[:-3])
     cfg = M.parse_args(module.DEFAULTS, flags)
     _, _, vocab = M.load_data(cfg.data_dir)
-    return module.traffic_per_rank(M.make_config(cfg.model, vocab, cfg.block_size), cfg, world)
+    config = M.make_config(cfg.model, vocab, cfg.block_size)
+    state = max(module.state_per_rank(config, cfg, world)) if hasattr(module, "state_per_rank") else None
+    return module.traffic_per_rank(config, cfg, world), state
 
 
 def main():
@@ -84,7 +89,7 @@ def main():
         print(f"{a.model} preset, batch {a.batch_size}, {a.iters} steps (median after {a.warmup}), "
               f"{a.dtype}, CPU ranks over gloo, data {os.path.relpath(data_dir, ROOT)}")
         header = (f"{'ranks':>5}  {'run':<20}{'ms/step':>9}{'tokens/s':>10}{'sent MB/rank':>14}{'formula MB':>12}"
-                  f"{'state MB/rank':>15}{'vs DDP':>8}{'gathered':>10}")
+                  f"{'state MB/rank':>15}{'formula MB':>12}{'vs DDP':>8}{'gathered':>10}")
         print(header + "\n" + "-" * len(header), flush=True)
         for world in map(int, a.worlds.split(",")):
             ddp_state = None
@@ -95,11 +100,12 @@ def main():
                 tok = statistics.median(r["tokens_per_s"] for r in timed)
                 sent, state = max(recs[-1]["comm_bytes"]), max(recs[-1]["state_bytes"])
                 ddp_state = ddp_state or state
-                formula = traffic_formula(script, common + flags, world)
+                formula, state_formula = formulas(script, common + flags, world)
+                state_formula = "-" if state_formula is None else f"{state_formula / 1e6:.2f}"
                 gathered = recs[-1].get("max_gathered_units", [None])[0]
                 gathered = "-" if gathered is None else f"{gathered:g}"
                 print(f"{world:>5}  {label:<20}{ms:>9.0f}{tok:>10,.0f}{sent / 1e6:>14.2f}{formula / 1e6:>12.2f}"
-                      f"{state / 1e6:>15.2f}{state / ddp_state:>8.2f}{gathered:>10}", flush=True)
+                      f"{state / 1e6:>15.2f}{state_formula:>12}{state / ddp_state:>8.2f}{gathered:>10}", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """fsdp.py against the one-process run: same losses, same parameters; the traffic and the
-per-rank state of the formulas, computed exactly from the config; the prefetch bound;
-bf16 mixed precision; --compile; resuming from a checkpoint."""
+per-rank state of the formulas, computed exactly from the config, for every ZeRO stage at 2, 3
+and 4 ranks; the ladder DDP > ZeRO-1 > ZeRO-2 > ZeRO-3; the prefetch bound; bf16 mixed
+precision; --compile; resuming from a checkpoint."""
 import functools
 import os
 
@@ -15,18 +16,24 @@ from conftest import VOCAB
 # "small" at 3 ranks: n_embd=128, so its units do not divide by 3 and the shards are padded
 # (every size of the tiny preset is a multiple of n_embd=96, which 2, 3 and 4 divide).
 # Prefetch 2, 0 and 1 (the default) at 2, 3 and 4 ranks: max_gathered_units must be 1 + prefetch.
+# Every stage at every world size (ZeRO-1/2 at 3 and 4 ranks on the 6-step small runs), so the
+# state of each stage is held to its formula at 2, 3 and 4 ranks, padded shards included.
 SMALL = ["--model=small", "--block_size=32", "--max_iters=6", "--eval_interval=5"]
 RUNS = {
     2: [("zero3_prefetch2_accum2", ["--prefetch=2", "--grad_accum=2"], "tiny"),
         ("zero1_accum2", ["--zero_stage=1", "--grad_accum=2"], "tiny"),
         ("zero2_accum2", ["--zero_stage=2", "--grad_accum=2"], "tiny")],
-    3: [("zero3_prefetch0", ["--prefetch=0"], "tiny"), ("zero3_small_uneven", SMALL, "small")],
-    4: [("zero3", [], "tiny")],
+    3: [("zero3_prefetch0", ["--prefetch=0"], "tiny"), ("zero3_small_uneven", SMALL, "small"),
+        ("zero1_small_uneven", SMALL + ["--zero_stage=1"], "small"),
+        ("zero2_small_uneven", SMALL + ["--zero_stage=2"], "small")],
+    4: [("zero3", [], "tiny"), ("zero1_small", SMALL + ["--zero_stage=1"], "small"),
+        ("zero2_small", SMALL + ["--zero_stage=2"], "small")],
 }
 RESUMED = ["zero3_prefetch2_accum2", "zero1_accum2"]  # at 2 ranks: saved at step 10 of 20, resumed from there
 # bf16 at 2 ranks, 8 steps, against the one-process bf16 run of ddp.py
 BF16_STEPS = ["--dtype=bfloat16", "--max_iters=8", "--eval_interval=0"]
-BF16_RUNS = [("zero3_bf16", []), ("zero1_accum2_bf16", ["--zero_stage=1", "--grad_accum=2"])]
+BF16_RUNS = [("zero3_bf16", []), ("zero1_accum2_bf16", ["--zero_stage=1", "--grad_accum=2"]),
+             ("zero2_bf16", ["--zero_stage=2"])]
 
 
 def flag(extra, name, default):
@@ -99,10 +106,23 @@ def expected_bytes(config, world, stage, accum, bf16=False):
     return (world - 1) * (gathers * gathered + reduces * 4 * S)
 
 
+def expected_state(config, world, stage, bf16=False):
+    """What each rank keeps: its fp32 master shard, gradient shard (padded) and Adam's m and v
+    (the real elements only). ZeRO-1/2 keep the full weights (W, in their gather dtypes), and
+    the fp32 shard is a slice of them: only a bf16 part's master shard is a copy (S_lo); ZeRO-1
+    keeps the full fp32 gradient, and the gradient shard is a slice of it."""
+    S, gathered, _, real = shard_layout(config, world, bf16)
+    W, S_lo = world * gathered, (4 * S - gathered) // 2  # S_lo: the shard's elements gathered in 2 bytes
+    kept = {3: 8 * S, 2: W + 4 * S_lo + 4 * S, 1: W + 4 * S_lo + 4 * world * S}[stage]
+    return [kept + 8 * x for x in real]
+
+
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_parity_traffic_memory(world, runs, reference, small_reference):
     import fsdp
     results, norm_bytes = runs(world)
+    assert {flag(extra, "zero_stage", 3) for _, extra, _ in RUNS[world]} == {1, 2, 3}
+    ladder = {}  # stage -> the most any rank keeps, on the tiny preset
     for name, extra, preset in RUNS[world]:
         records, path = results[name]
         ref_records, ref_state = small_reference if preset == "small" else reference
@@ -114,8 +134,8 @@ def test_parity_traffic_memory(world, runs, reference, small_reference):
 
         stage, accum, prefetch = flag(extra, "zero_stage", 3), flag(extra, "grad_accum", 1), flag(extra, "prefetch", 1)
         config = M.make_config(preset, VOCAB, block_size=32)
-        S, _, padding, real = shard_layout(config, world)
-        if preset == "small":
+        S, _, padding, _ = shard_layout(config, world)
+        if "uneven" in name:
             assert padding > 0, "this run is meant to have uneven shards"
         cfg = M.parse_args(fsdp.DEFAULTS, ["--dtype=float32"] + extra)
         sent = expected_bytes(config, world, stage, accum)
@@ -123,16 +143,19 @@ def test_parity_traffic_memory(world, runs, reference, small_reference):
         for r in records:
             assert r["comm_bytes"] == [sent + b for b in norm_bytes], where
             assert sum(r["comm_bytes"]) / world == pytest.approx(fsdp.traffic_per_rank(config, cfg, world)), where
-            # fp32 master shard + gradient shard (padded), Adam's m and v for the real elements;
-            # ZeRO-2 keeps the full weights, ZeRO-1 the full gradients too
-            full_copies = {3: 0, 2: 1, 1: 2}[stage]
-            assert r["state_bytes"] == [8 * S + 8 * x + full_copies * 4 * world * S for x in real], where
+            assert r["state_bytes"] == expected_state(config, world, stage), where
+            assert r["state_bytes"] == fsdp.state_per_rank(config, cfg, world), where
             if stage == 3:  # the full model's state / N, plus the padding
                 assert max(r["state_bytes"]) <= (full_state + 16 * padding) / world, where
                 # the true peak of gathered units alive: 1 + prefetch, the window used in full
                 assert r["max_gathered_units"] == [1 + prefetch] * world, where
             else:
                 assert r["max_gathered_units"] == [config.n_layer + 1] * world, where
+        if preset == "tiny":
+            ladder[stage] = max(records[-1]["state_bytes"])
+    if world == 2:  # each rung keeps strictly less (the one-process DDP run keeps what DDP keeps on each rank)
+        ddp_state = reference[0][0]["state_bytes"][0]
+        assert ddp_state > ladder[1] > ladder[2] > ladder[3], (ddp_state, ladder)
 
 
 @pytest.mark.parametrize("name", RESUMED)
@@ -174,6 +197,8 @@ def test_bf16_matches_autocast_run(runs, bf16_reference):
         for r in records:
             assert r["comm_bytes"] == [sent + b for b in norm_bytes], name
             assert sum(r["comm_bytes"]) / 2 == pytest.approx(fsdp.traffic_per_rank(config, cfg, 2)), name
+            assert r["state_bytes"] == expected_state(config, 2, stage, bf16=True), name
+            assert r["state_bytes"] == fsdp.state_per_rank(config, cfg, 2), name
 
 
 def test_one_process_matches_reference(train_args, reference, tmp_path):
@@ -198,6 +223,7 @@ def test_compile_matches_reference(train_args, reference, monkeypatch):
     assert_logs_match(records, reference[0][:4], 1e-4)
 
 
+@pytest.mark.quick
 def test_free_releases_memory_whoever_holds_the_tensor():
     """max_gathered_units counts buffers that hold memory: a freed buffer stops counting even
     while something still refers to it; one that is not freed keeps counting."""
@@ -214,6 +240,7 @@ def test_free_releases_memory_whoever_holds_the_tensor():
     assert live.peak == 2
 
 
+@pytest.mark.quick
 def test_bad_input_fails_on_every_rank(train_args):
     r = torchrun("fsdp.py", 2, train_args + ["--zero_stage=4"], timeout=120)
     assert r.returncode != 0
