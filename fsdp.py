@@ -435,14 +435,8 @@ def clip_grad_shards(units, max_norm, group):
     """Clip by the global gradient norm. Every element lies in exactly one rank's shard (the
     padding's gradient is 0), so the sum of the ranks' squared norms is the global one,
     nothing counted twice. -> the norm (a tensor: reading it would wait for the device)."""
-    sq = torch.stack([g.pow(2).sum() for u in units for g in u.grads]).sum()
-    C.all_reduce(sq, group=group)
-    norm = sq.sqrt()
-    coef = M.clip_coef(norm, max_norm)
-    for u in units:
-        for g in u.grads:
-            g.mul_(coef)
-    return norm
+    grads = [g for u in units for g in u.grads]
+    return M.clip_by_global_norm(torch.stack([g.pow(2).sum() for g in grads]).sum(), grads, max_norm, [group])
 
 
 # -----------------------------------------------------------------------------
