@@ -28,31 +28,12 @@ embedding (first stage) and the head (last stage) is summed between the first an
 last rank of each pipeline group: the same dp and tp coordinates, so the same vocabulary
 rows.
 
-What each axis sends per step (per group, summed over its ranks; collectives.py's ring
-and tree all-reduces both send 2(N-1)·S in all; B the global batch, m = --n_micro,
-b = B/(dp·m), s the sequence, h the width, V the vocabulary, L_k the blocks of stage k,
-d the compute dtype's bytes):
-  tp (stage k)  m · (4·L_k + [first] + [last]) all-reduces of b·s·h (d; the embedding's 4),
-                + [last] m·3 all-reduces of b·s floats (the loss) + 1 float (the norm)
-                (--sequence_parallel: each all-reduce a reduce-scatter + all-gather, the
-                same bytes, + the replicated parameters' gradients once)
-  dp (stage k)  one all-reduce of every gradient the rank holds, float32
-  pp            2·(pp-1)·m activations of b·s·h floats (b·s·h/tp with sequence parallel:
-                each tp rank sends its own positions), + 2·V/tp·h floats (the tie) + 1 float
-axis_bytes() states it in code; bench/plan_3d.py uses the same function to predict
-the step time of every (dp, tp, pp) on a cluster. Without --sequence_parallel every
-tp rank sends the whole activation across a boundary: tp copies of the same bytes
-(Megatron's scatter/gather optimisation sends 1/tp and all-gathers after); with it,
-each sends only its own positions.
+What each axis sends per step is derived in axis_bytes(), which the tests hold the log to
+and bench/plan_3d.py uses to predict every (dp, tp, pp) of a cluster.
 
-The step: each dp rank takes its contiguous rows of the global batch, the pipeline
-cuts them into m micro-batches and runs any of pipeline_parallel's schedules; every stage runs
-tensor parallel's forward pieces on its tp group; then the dp all-reduce completes,
-sequence parallel's replicas are summed over tp, the tied copies over the two pipeline
-ends, and the gradients are clipped by the global norm: squared norms summed over tp
-(replicas once) and pp (the tie once), not over dp, where after the average every
-replica holds the same gradient. The logged loss is the mean over the last stage's
-ranks.
+The step: the dp rank's rows are cut into m micro-batches for any of pipeline_parallel's
+schedules, each stage running tensor parallel's pieces on its tp group; then the dp
+all-reduce, the tie's sum, and the clip (squared norms over tp and pp, never over dp).
 
 Flags: --dp, --tp, --pp (--dp=0: the world size over tp·pp); --schedule, --n_micro,
 --virtual_stages as pipeline_parallel.py's (zb with --tp=1: its W walks backward again, which
@@ -189,7 +170,25 @@ def group_bytes(op, n, nbytes):
 def axis_bytes(config, cfg, dp, tp, pp, stage=None):
     """{axis: bytes per step}. stage=None: sent by every rank of the world on that axis;
     stage=k: sent by the ranks of one group of the axis that a rank of stage k is in (its
-    tp and dp groups live on stage k; its pp group spans the stages)."""
+    tp and dp groups live on stage k; its pp group spans the stages).
+
+    What each axis sends per step (per group, summed over its ranks; collectives.py's ring
+    and tree all-reduces both send 2(N-1)·S in all; B the global batch, m = --n_micro,
+    b = B/(dp·m), s the sequence, h the width, V the vocabulary, L_k the blocks of stage k,
+    d the compute dtype's bytes):
+      tp (stage k)  m · (4·L_k + [first] + [last]) all-reduces of b·s·h (d; the embedding's 4),
+                    + [last] m·3 all-reduces of b·s floats (the loss) + 1 float (the norm)
+                    (--sequence_parallel: each all-reduce a reduce-scatter + all-gather, the
+                    same bytes, + the replicated parameters' gradients once)
+      dp (stage k)  one all-reduce of every gradient the rank holds, float32
+      pp            2·(pp-1)·m activations of b·s·h floats (b·s·h/tp with sequence parallel:
+                    each tp rank sends its own positions), + 2·V/tp·h floats (the tie) + 1 float
+    bench/plan_3d.py uses this same function to predict the step time of every
+    (dp, tp, pp) on a cluster. Without --sequence_parallel every
+    tp rank sends the whole activation across a boundary: tp copies of the same bytes
+    (Megatron's scatter/gather optimisation sends 1/tp and all-gathers after); with it,
+    each sends only its own positions.
+    """
     n_groups = dict(tp=dp, dp=tp, pp=dp * tp)  # groups of the axis on one stage (pp: in all)
     out = dict.fromkeys(AXES, 0)
     for msg in axis_messages(config, cfg, dp, tp, pp):

@@ -61,8 +61,15 @@ def _rank_main(rank, world_size, port, tasks, results):
 _pools = {}
 
 
+MAX_POOLED_RANKS = 9  # ranks kept alive at once (each ~0.4 GB): 2 + 3 + 4; a pool of 8 displaces the rest
+
+
 def _pool(world_size):
-    if world_size not in _pools:
+    if world_size in _pools:
+        _pools[world_size] = _pools.pop(world_size)  # the most recently used last
+    else:
+        while _pools and sum(_pools) + world_size > MAX_POOLED_RANKS:
+            _end_pool(next(iter(_pools)))  # the least recently used first
         ctx = mp.get_context("spawn")
         tasks, results = [ctx.Queue() for _ in range(world_size)], ctx.Queue()
         port = free_port()

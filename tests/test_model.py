@@ -1,18 +1,18 @@
 """The shared GPT and the pieces every strategy must agree on."""
 import json
 import math
+import os
 import subprocess
 import sys
 
 import numpy as np
 import pytest
-
-pytestmark = pytest.mark.quick  # every test here is cheap: all of them are in the quick tier
 import torch
 
 import model as M
 from harness import ROOT, python
 
+pytestmark = pytest.mark.quick  # every test here is cheap: all of them are in the quick tier
 V = 192
 
 
@@ -243,3 +243,17 @@ def test_param_count_from_shapes():
     for bias in (True, False):
         c = dataclasses.replace(tiny(), bias=bias)
         assert M.param_count(c) == M.num_params(M.GPT(c).parameters())
+
+
+def _what_a_rank_sees(rank, world):
+    import torch
+    return os.environ.get("CUDA_VISIBLE_DEVICES"), torch.cuda.device_count()
+
+
+def test_the_suite_hides_gpus_from_every_rank():
+    """On a machine with GPUs the suite still runs CPU ranks over gloo: conftest hides CUDA
+    before torch is imported, and every rank the harness starts inherits it (the device
+    choice inside a gloo group is tested with CUDA faked, in test_collectives)."""
+    from harness import spawn
+    assert os.environ.get("CUDA_VISIBLE_DEVICES") == ""
+    assert spawn(_what_a_rank_sees, 2, timeout=60) == [("", 0), ("", 0)]

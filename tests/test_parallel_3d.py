@@ -23,16 +23,19 @@ import model as M
 import parallel_3d as P3
 import pipeline_parallel as PP
 from harness import spawn, assert_logs_match, assert_states_match
-from conftest import ROOT, VOCAB
+from conftest import ROOT, SHORT_STEPS, VOCAB
 
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 import plan_3d  # noqa: E402
 
 BATCH, BLOCK = 24, 32  # conftest.TRAIN_ARGS
-# (dp, tp, pp), schedule, micro-batches, sequence parallel: the 20-step parity runs
+# (dp, tp, pp), schedule, micro-batches, sequence parallel: the parity runs; the 20-step
+# ones (a layout of every pair of axes, and the whole mesh), the rest 6 (conftest.SHORT_STEPS)
 PARITY = {4: [((2, 2, 1), "1f1b", 1, False), ((2, 1, 2), "gpipe", 3, False), ((2, 1, 2), "1f1b", 3, False),
               ((1, 2, 2), "gpipe", 2, False), ((1, 2, 2), "1f1b", 2, True)],
           8: [((2, 2, 2), "gpipe", 2, False), ((2, 2, 2), "1f1b", 2, True)]}
+LONG = {((2, 2, 1), "1f1b", 1, False), ((2, 1, 2), "1f1b", 3, False), ((1, 2, 2), "1f1b", 2, True),
+        ((2, 2, 2), "1f1b", 2, True)}
 # the newer schedules, 6 steps each (their 20-step parity is pipeline_parallel's test's)
 SHORT = [((1, 2, 2), "interleaved", 2, False), ((2, 1, 2), "zb", 2, False)]
 RESUMED = ((2, 1, 2), "1f1b", 3, False)  # the dp replicas and both tied copies load (tp slices: --save_path)
@@ -61,7 +64,8 @@ def _run_all(rank, world, train_args, out):
         path = os.path.join(out, f"state{i}.pt")
         extra = [f"--out_dir={out}/ckpt", "--ckpt_interval=10"] if run == RESUMED else []
         extra += ["--overlap=False"] if run == NO_OVERLAP else []
-        results[run] = _quiet(P3.main, train_args + flags(*run) + [f"--save_path={path}"] + extra) + (path,)
+        steps = [] if run in LONG else [f"--max_iters={SHORT_STEPS}"]
+        results[run] = _quiet(P3.main, train_args + flags(*run) + steps + [f"--save_path={path}"] + extra) + (path,)
     if world == 4:
         for run in SHORT:
             results[run] = _quiet(P3.main, train_args + flags(*run) + ["--max_iters=6"])[0]
@@ -123,11 +127,11 @@ def _cfg(argv):
 
 
 @pytest.mark.parametrize("world", [4, 8])
-def test_parity_and_bytes(world, runs, reference, train_args):
-    ref_records, ref_state = reference
+def test_parity_and_bytes(world, runs, reference, reference_short, train_args):
     results = runs(world)
     config = M.make_config("tiny", VOCAB, BLOCK)
     for run in PARITY[world]:
+        ref_records, ref_state = reference if run in LONG else reference_short
         (records, printed, path) = results[run]
         assert_logs_match(records, ref_records, 1e-4)
         assert_logs_match([r for r in records if "val_loss" in r], [r for r in ref_records if "val_loss" in r],

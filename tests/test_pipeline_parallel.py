@@ -27,12 +27,12 @@ from conftest import VOCAB
 
 # (schedule, m, steps). With one micro-batch GPipe and 1F1B are the same list of actions
 # (checked on paper below), so 1F1B's m=1 run would repeat GPipe's. Every run costs steps on
-# shared cores: each schedule runs 20 steps at least once per world (the parity of the
-# parameters is checked on those), the others 6
-CONFIGS_AT = {2: [("gpipe", 1, 20), ("gpipe", 4, 20), ("gpipe", 8, 6), ("1f1b", 4, 20), ("1f1b", 8, 6),
+# shared cores: each schedule runs 20 steps at least once (1F1B at every world, and the
+# new schedules at 2 and 4 stages; the parity of the parameters is checked on those), the others 6
+CONFIGS_AT = {2: [("gpipe", 1, 20), ("gpipe", 4, 6), ("gpipe", 8, 6), ("1f1b", 4, 20), ("1f1b", 8, 6),
                   ("zb", 2, 20), ("zb", 4, 6), ("interleaved", 2, 20), ("interleaved", 4, 6)],
-              3: [("gpipe", 1, 20), ("gpipe", 8, 6), ("1f1b", 8, 20)],
-              4: [("gpipe", 4, 6), ("1f1b", 4, 20), ("1f1b", 8, 6), ("zb", 4, 20), ("zb", 8, 6),
+              3: [("gpipe", 1, 6), ("gpipe", 8, 6), ("1f1b", 8, 20)],
+              4: [("gpipe", 4, 6), ("1f1b", 4, 6), ("1f1b", 8, 6), ("zb", 4, 20), ("zb", 8, 6),
                   ("interleaved", 4, 20), ("interleaved", 8, 6)]}
 V = 2  # --virtual_stages of the interleaved runs (the default)
 TIMELINES = (("1f1b", 8), ("zb", 4), ("interleaved", 4))  # the runs that print --timeline

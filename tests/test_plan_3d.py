@@ -126,3 +126,19 @@ def test_json_describes_any_gpt():
 def test_bad_input(argv, message):
     code, _, err = _run(argv)
     assert code and err.startswith("error:") and message in err, err
+
+
+def test_state_model_is_what_fsdp_keeps():
+    """The planner's fp32 state a parameter, per ZeRO stage, against fsdp.py's own count of
+    what it keeps (state_per_rank, which its tests hold to the measured bytes): equal for a
+    model whose units divide by N (no padding), at N = 2 and 4; DDP's 16 bytes as ddp.py's."""
+    import fsdp
+    import model as M
+    config = M.make_config("tiny", 192, block_size=32)  # every part a multiple of 96: no padding at 2 or 4
+    psi = M.param_count(config)
+    for n in (2, 4):
+        for stage in (1, 2, 3):
+            cfg = M.parse_args(fsdp.DEFAULTS, ["--dtype=float32", f"--zero_stage={stage}"])
+            measured = fsdp.state_per_rank(config, cfg, n)
+            assert measured == [P.state_bytes("fp32", stage, n) * psi] * n, (n, stage)
+    assert P.state_bytes("fp32", 0, 8) * psi == 16 * psi
