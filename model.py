@@ -1053,7 +1053,7 @@ class Logger:
         if self.path:
             with open(self.path, "a") as f:
                 f.write(json.dumps(record) + "\n")
-        if self.every and record["iter"] % self.every == 0:
+        if self.every and (record["iter"] % self.every == 0 or "val_loss" in record):  # and the last validation
             line = f"iter {record['iter']}: loss {record['loss']:.4f}"
             if "val_loss" in record:
                 line += f", val {record['val_loss']:.4f}"
