@@ -257,3 +257,27 @@ def test_the_suite_hides_gpus_from_every_rank():
     from harness import spawn
     assert os.environ.get("CUDA_VISIBLE_DEVICES") == ""
     assert spawn(_what_a_rank_sees, 2, timeout=60) == [("", 0), ("", 0)]
+
+
+def test_every_clip_stays_on_the_device(monkeypatch):
+    """No strategy reads the norm on the host to decide whether to clip (a GPU sync a step):
+    the five sharded strategies clip through model.clip_by_global_norm, ddp.py and
+    context_parallel.py through torch's clip_grad_norm_; both run here with Tensor.__bool__
+    raising, clipped and unclipped, and agree with each other."""
+    grads = [torch.randn(5, 3), torch.randn(7)]
+    for max_norm in (0.5, 100.0):  # clipped, and not
+        ours = [g.clone() for g in grads]
+        theirs = [torch.nn.Parameter(g.clone()) for g in grads]
+        for p, g in zip(theirs, grads):
+            p.grad = g.clone()
+        with monkeypatch.context() as m:
+            m.setattr(torch.Tensor, "__bool__", lambda self: (_ for _ in ()).throw(RuntimeError("host sync")))
+            sq = torch.stack([g.pow(2).sum() for g in ours]).sum()
+            norm = M.clip_by_global_norm(sq, ours, max_norm)
+            ref = torch.nn.utils.clip_grad_norm_(theirs, max_norm)
+        assert torch.allclose(norm, ref)
+        assert all(torch.allclose(a, p.grad) for a, p in zip(ours, theirs))
+    for f in ("fsdp.py", "tensor_parallel.py", "pipeline_parallel.py", "expert_parallel.py", "parallel_3d.py"):
+        assert "M.clip_by_global_norm(" in open(os.path.join(ROOT, f)).read(), f
+    for f in ("ddp.py", "context_parallel.py"):
+        assert "clip_grad_norm_(" in open(os.path.join(ROOT, f)).read(), f
