@@ -108,6 +108,23 @@ def mesh(run):
 # ----------------------------------------------------------------------------- PyTorch's side
 
 
+def data_parallel_step(run, model, params, opt):
+    """The step of a data-parallel peer: this rank's rows, backward (the peer's hooks
+    communicate), clipping by the global norm, AdamW. -> step(it) -> the loss."""
+    params = list(params)
+
+    def step(it):
+        opt.zero_grad(set_to_none=True)
+        with run.autocast:
+            _, loss = model(*M.batch(run, it, dp_rank=run.rank, dp_size=run.world))
+        loss.backward()
+        if run.cfg.grad_clip:
+            torch.nn.utils.clip_grad_norm_(params, run.cfg.grad_clip)
+        opt.step()
+        return loss.detach()
+    return step
+
+
 def peer_ddp(run):
     """DistributedDataParallel: buckets of 25 MB all-reduced during backward, as ours."""
     from torch.nn.parallel import DistributedDataParallel
@@ -116,17 +133,7 @@ def peer_ddp(run):
     wrapped = DistributedDataParallel(model, device_ids=[run.device.index] if run.device.type == "cuda" else None,
                                       bucket_cap_mb=25)
     opt = M.make_optimizer(model.named_parameters(), cfg, run.device)
-
-    def step(it):
-        opt.zero_grad(set_to_none=True)
-        with run.autocast:
-            _, loss = wrapped(*M.batch(run, it, dp_rank=run.rank, dp_size=run.world))
-        loss.backward()
-        if cfg.grad_clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        opt.step()
-        return loss.detach()
-    return train_loop(run, step, [opt]), "mean"
+    return train_loop(run, data_parallel_step(run, wrapped, model.parameters(), opt), [opt]), "mean"
 
 
 def peer_fsdp(run):
@@ -144,17 +151,8 @@ def peer_fsdp(run):
         fully_shard(block, mesh=m)
     fully_shard(model, mesh=m)
     opt = M.make_optimizer(model.named_parameters(), cfg, run.device)
-
-    def step(it):
-        opt.zero_grad(set_to_none=True)
-        with run.autocast:
-            _, loss = model(*M.batch(run, it, dp_rank=run.rank, dp_size=run.world))
-        loss.backward()
-        if cfg.grad_clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)  # DTensor norms: one all-reduce
-        opt.step()
-        return loss.detach()
-    return train_loop(run, step, [opt]), "mean"
+    # clip_grad_norm_ over DTensor gradients: each shard's squares, one all-reduce
+    return train_loop(run, data_parallel_step(run, model, model.parameters(), opt), [opt]), "mean"
 
 
 class SplitQKV(nn.Module):
