@@ -2,9 +2,9 @@
 refusal of a corrupt or mismatched checkpoint, and a run that survives a killed rank.
 
 Each strategy's own test file checks that it resumes its own checkpoints exactly; here
-every pair of strategies meets once, at different world sizes: a writer trains 12 steps
-and saves at step 10, a reader of another strategy resumes from it, and its losses at
-iterations 10 and 11 must match the writer's (the first is the loaded weights; the
+every pair of strategies meets once, at different world sizes: a writer trains 6 steps
+and saves at step 4, a reader of another strategy resumes from it, and its losses at
+iterations 4 and 5 must match the writer's (the first is the loaded weights; the
 second, one optimizer step later, shows Adam's state moved too)."""
 import json
 import os
@@ -20,8 +20,10 @@ from harness import ROOT, spawn, torchrun, python, read_log
 SCRIPTS = dict(ddp="ddp.py", fsdp="fsdp.py", tp="tensor_parallel.py", pp="pipeline_parallel.py",
                cp="context_parallel.py")
 MODULES = {k: v[:-3] for k, v in SCRIPTS.items()}
-RUN_ARGS = ["--max_iters=12", "--eval_interval=0"]
-CKPT_ARGS = RUN_ARGS + ["--ckpt_interval=10"]
+AT, END = 4, 6  # the checkpoint's step, and the run's last (past the 4 warm-up steps: lr moves)
+STEP = f"step_{AT:06d}"
+RUN_ARGS = [f"--max_iters={END}", "--eval_interval=0"]
+CKPT_ARGS = RUN_ARGS + [f"--ckpt_interval={AT}"]
 WRITERS = {1: ["ddp"], 2: ["tp", "cp"], 3: ["pp"], 4: ["fsdp"]}
 # (writer, writer's world) -> [(reader, reader's world)]: every pair of strategies once
 READERS = {1: [("tp", 2, "ddp"), ("cp", 2, "ddp")],
@@ -39,7 +41,7 @@ def _write(rank, world, train_args, out):
 
 
 def _read(rank, world, train_args, out):
-    return {(w, ww): _main(r, train_args + RUN_ARGS + [f"--resume={out}/{w}{ww}/step_000010"])
+    return {(w, ww): _main(r, train_args + RUN_ARGS + [f"--resume={out}/{w}{ww}/{STEP}"])
             for w, ww, r in READERS[world]}
 
 
@@ -61,24 +63,24 @@ def test_reshard_between_every_pair_of_strategies(world, written, train_args):
         reader = next(r for w, ww, r in READERS[world] if (w, ww) == (writer, wworld))
         what = f"{writer} at {wworld} ranks -> {reader} at {world}"
         ref = logs[(writer, wworld)]
-        assert [r["iter"] for r in records] == [10, 11], what
-        assert abs(records[0]["loss"] - ref[10]["loss"]) <= 1e-6, (what, records[0]["loss"], ref[10]["loss"])
-        assert abs(records[1]["loss"] - ref[11]["loss"]) <= 1e-5, (what, records[1]["loss"], ref[11]["loss"])
+        assert [r["iter"] for r in records] == [AT, AT + 1], what
+        assert abs(records[0]["loss"] - ref[AT]["loss"]) <= 1e-6, (what, records[0]["loss"], ref[AT]["loss"])
+        assert abs(records[1]["loss"] - ref[AT + 1]["loss"]) <= 1e-5, (what, records[1]["loss"], ref[AT + 1]["loss"])
 
 
 def test_manifest_says_what_each_rank_holds(written):
     out, _ = written
-    m = json.load(open(f"{out}/fsdp4/step_000010/manifest.json"))
-    assert m["strategy"] == "fsdp" and m["world"] == 4 and m["step"] == 10 and len(m["files"]) == 4
+    m = json.load(open(f"{out}/fsdp4/{STEP}/manifest.json"))
+    assert m["strategy"] == "fsdp" and m["world"] == 4 and m["step"] == AT and len(m["files"]) == 4
     for f in m["files"]:
-        assert os.path.getsize(f"{out}/fsdp4/step_000010/{f['file']}") == f["bytes"] and len(f["sha256"]) == 64
+        assert os.path.getsize(f"{out}/fsdp4/{STEP}/{f['file']}") == f["bytes"] and len(f["sha256"]) == 64
         assert {p["kind"] for p in f["pieces"]} == {"param", "exp_avg", "exp_avg_sq"}
     # the four FSDP ranks hold disjoint pieces that add up to the model, three times (param, m, v)
-    held = sum(torch.load(f"{out}/fsdp4/step_000010/{f['file']}", weights_only=True)[p["key"]].numel()
+    held = sum(torch.load(f"{out}/fsdp4/{STEP}/{f['file']}", weights_only=True)[p["key"]].numel()
                for f in m["files"] for p in f["pieces"])
     config = M.GPTConfig(**m["model"])
     assert held == 3 * M.param_count(config)
-    assert sorted(os.listdir(f"{out}/ddp1")) == ["step_000010", "step_000012"]  # the final one too; no .tmp left
+    assert sorted(os.listdir(f"{out}/ddp1")) == [STEP, f"step_{END:06d}"]  # the final one too; no .tmp left
 
 
 def ddp_run(args, capsys=None):
@@ -97,7 +99,7 @@ def refused(args, capsys):
 
 def test_corrupt_or_mismatched_checkpoint_is_refused(written, train_args, tmp_path, capsys):
     out, _ = written
-    good = f"{out}/ddp1/step_000010"
+    good = f"{out}/ddp1/{STEP}"
     args = train_args + RUN_ARGS
     bad = str(tmp_path / "flipped")
     shutil.copytree(good, bad)
@@ -173,7 +175,7 @@ def test_sample_decodes_characters(tmp_path):
 
 def test_sample_from_a_checkpoint(written):
     out, _ = written
-    r = python("sample.py", [f"--ckpt={out}/tp2/step_000010", "--num_samples=2", "--max_new_tokens=12",
+    r = python("sample.py", [f"--ckpt={out}/tp2/{STEP}", "--num_samples=2", "--max_new_tokens=12",
                              "--device=cpu"], timeout=120)
     assert r.returncode == 0, r.stderr
     samples = [s.split() for s in r.stdout.split("---------------") if s.strip()]
@@ -183,20 +185,20 @@ def test_sample_from_a_checkpoint(written):
 
 
 def test_a_killed_rank_restarts_and_finishes_the_same(train_args, tmp_path):
-    """torchrun --max_restarts=1: rank 1 is SIGKILLed at iteration 12, after the checkpoint
-    of step 10; every rank restarts, resumes from step 10, and ends on the same losses as
+    """torchrun --max_restarts=1: rank 1 is SIGKILLed at iteration 6, after the checkpoint
+    of step 4; every rank restarts, resumes from step 4, and ends on the same losses as
     a run that was never killed. TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: on torch 2.13 with
     gloo a restarted attempt sometimes cannot reconnect to a store shared with the agent."""
-    args = train_args + ["--eval_interval=0", "--ckpt_interval=5", "--resume=latest"]
+    args = train_args + ["--max_iters=8", "--eval_interval=0", "--ckpt_interval=4", "--resume=latest"]
     whole = torchrun("ddp.py", 2, args + [f"--out_dir={tmp_path}/whole", f"--log_file={tmp_path}/whole.jsonl"],
                      timeout=300)
     assert whole.returncode == 0, whole.stderr[-2000:]
-    env = dict(CRASH_AT="12", CRASH_RANK="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    env = dict(CRASH_AT="6", CRASH_RANK="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
     crashed = torchrun("tests/crash_once.py", 2, ["ddp.py"] + args + [f"--out_dir={tmp_path}/crashed",
                                                                       f"--log_file={tmp_path}/crashed.jsonl"],
                        timeout=300, env=env, extra=["--max_restarts=1"])
     assert crashed.returncode == 0, crashed.stderr[-3000:]
-    assert "resumed from" in crashed.stdout and "step 10" in crashed.stdout
+    assert "resumed from" in crashed.stdout and "step 4" in crashed.stdout
     a, b = read_log(f"{tmp_path}/whole.jsonl"), read_log(f"{tmp_path}/crashed.jsonl")
-    assert [r["iter"] for r in b] == list(range(20))
+    assert [r["iter"] for r in b] == list(range(8))
     assert [r["loss"] for r in a] == [r["loss"] for r in b]  # bit for bit: the same batches, the same state

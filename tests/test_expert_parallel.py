@@ -19,17 +19,21 @@ import torch.nn.functional as F
 
 import model as M
 from harness import spawn, assert_logs_match, assert_states_match
-from conftest import VOCAB
+from conftest import SHORT_STEPS, VOCAB
 
-# the one-process references (ddp.py); each parallel run below names one
+# the one-process references (ddp.py); each parallel run below names one. One run goes the
+# whole 20 steps (warm-up and decay); the others 6, which show a wrong route or a lost token as well
+SHORT = [f"--max_iters={SHORT_STEPS}"]
 MOE = {"e4k2": ["--n_expert=4", "--top_k=2"],
-       "e8k1cap": ["--n_expert=8", "--top_k=1", "--capacity_factor=1.0"]}
+       "e4k2_short": ["--n_expert=4", "--top_k=2"] + SHORT,
+       "e8k1cap": ["--n_expert=8", "--top_k=1", "--capacity_factor=1.0"] + SHORT}
 # (reference, strategy, dispatch): 2 and 4 ranks, E = 4 and 8, top_k 1 and 2, with and without a
 # capacity, both modes; the layer checks below add both modes at every world size and the capacity
-# with top_k = 2 (a 20-step run costs ~10 s of CPU per rank, so the runs are a covering subset)
+# with top_k = 2 (the runs are a covering subset: each costs seconds of CPU per rank and step)
 RUNS = {2: [("e4k2", "expert_parallel", "alltoall"), ("e8k1cap", "expert_parallel", "allgather"),
-            ("e4k2", "ddp", None)],
+            ("e4k2_short", "ddp", None)],
         4: [("e8k1cap", "expert_parallel", "alltoall")]}
+RESUME_AT = 15  # the 20-step run and its reference checkpoint here; the resumed runs go 5 steps
 
 
 def tiny(**kw):
@@ -256,12 +260,13 @@ def _train(rank, world, train_args, out, ref_dir):
         path = os.path.join(out, f"{world}_{strategy}_{ref}_{mode}.pt")
         args = train_args + MOE[ref] + [f"--save_path={path}"] + ([f"--dispatch={mode}"] if mode else [])
         if world == 2 and mode == "alltoall":  # also the checkpointed run of the resume test
-            args += [f"--out_dir={out}/ckpt", "--ckpt_interval=10"]
+            args += [f"--out_dir={out}/ckpt", f"--ckpt_interval={RESUME_AT}"]
         module = expert_parallel if strategy == "expert_parallel" else ddp
         results["runs"][(ref, strategy, mode)] = (module.main(args), path)
     if world == 2:
         # resumed from its own step 10, and from the one-process run's (full tensors, sliced on load)
-        for name, folder in (("self", f"{out}/ckpt/step_000010"), ("ddp", f"{ref_dir}/step_000010")):
+        step = f"step_{RESUME_AT:06d}"
+        for name, folder in (("self", f"{out}/ckpt/{step}"), ("ddp", f"{ref_dir}/{step}")):
             results["runs"][("resume", name)] = expert_parallel.main(train_args + MOE["e4k2"] + [f"--resume={folder}"])
         for name, (module, args) in {"indivisible": (expert_parallel, ["--n_expert=3", "--top_k=1"]),
                                      "ddp capacity": (ddp, MOE["e8k1cap"])}.items():
@@ -284,7 +289,7 @@ def moe_reference(train_args, tmp_path_factory):
     try:
         for name, flags in MOE.items():
             path = str(out / f"{name}.pt")
-            ckpt = [f"--out_dir={out / name}", "--ckpt_interval=10"] if name == "e4k2" else []
+            ckpt = [f"--out_dir={out / name}", f"--ckpt_interval={RESUME_AT}"] if name == "e4k2" else []
             refs[name] = (ddp.main(train_args + flags + ckpt + [f"--save_path={path}"]), torch.load(path))
     finally:
         torch.set_num_threads(threads)
@@ -338,9 +343,9 @@ def test_parity_traffic_resume(world, train_args, moe_reference, tmp_path):
     if world == 2:
         first = runs[("e4k2", "expert_parallel", "alltoall")][0]
         resumed = runs[("resume", "self")]
-        assert [r["iter"] for r in resumed] == list(range(10, 20))
-        assert [r["loss"] for r in resumed] == [r["loss"] for r in first[10:]]  # exactly
-        assert_logs_match(runs[("resume", "ddp")], refs["e4k2"][0][10:], 1e-4)
+        assert [r["iter"] for r in resumed] == list(range(RESUME_AT, 20))
+        assert [r["loss"] for r in resumed] == [r["loss"] for r in first[RESUME_AT:]]  # exactly
+        assert_logs_match(runs[("resume", "ddp")], refs["e4k2"][0][RESUME_AT:], 1e-4)
         refused = result[0]["refused"]
         assert refused["indivisible"][0] == 2 and refused["indivisible"][1].strip() == \
             "error: --n_expert=3 experts do not divide among 2 ranks"

@@ -36,13 +36,15 @@ RING_BATCH, RING_WORLDS = 64, (2, 4)
 RING_ARGS = ["--model=small", "--block_size=128", f"--batch_size={RING_BATCH}", "--max_iters=1", "--eval_interval=0"]
 BF16_BATCH = 4  # CPU bf16 matmuls are emulated here (~9x float32): a small run
 BF16 = ["--dtype=bfloat16", f"--batch_size={BF16_BATCH}", "--max_iters=4", "--eval_interval=0"]
-RESUME_FROM = 10
+FULL = (2, "sp")  # the one 20-step parity run (warm-up and decay), and the one the resume continues
+RESUME_FROM = 15
 PIECE_STEPS = 4  # the pieces' own training loop on two sub-groups at once
 
 
-def steps(world):
-    """The 20-step parity runs at 2 ranks (both modes, and the resume); SHORT_STEPS at 3 and 4."""
-    return [] if world == 2 else [f"--max_iters={SHORT_STEPS}"]
+def steps(world, mode):
+    """The FULL run goes 20 steps; the others SHORT_STEPS, which catch a wrong slice or a
+    missing sum as surely."""
+    return [] if (world, mode) == FULL else [f"--max_iters={SHORT_STEPS}"]
 
 
 def modes(world):
@@ -248,10 +250,10 @@ def worker(rank, world, train_args, out_dir, small_vocab_dir):
     ckpt = os.path.join(out_dir, "ckpt")
     for mode in modes(world):
         extra = MODES[mode]
-        if world == 2 and mode == "sp":  # the run that the resume test continues
+        if (world, mode) == FULL:  # the run that the resume test continues
             extra = extra + [f"--out_dir={ckpt}", f"--ckpt_interval={RESUME_FROM}"]
         path = os.path.join(out_dir, f"{mode}{world}.pt")
-        result[mode] = (TP.main(train_args + steps(world) + extra + [f"--save_path={path}"]), path)
+        result[mode] = (TP.main(train_args + steps(world, mode) + extra + [f"--save_path={path}"]), path)
     if world == 2:
         result["ckpt"] = os.path.join(ckpt, f"step_{RESUME_FROM:06d}")
         result["resumed"] = TP.main(train_args + MODES["sp"] + [f"--resume={ckpt}/step_{RESUME_FROM:06d}"])
@@ -325,7 +327,7 @@ PARITY = [(w, m) for w in (2, 3, 4) for m in modes(w)]
 @pytest.mark.parametrize("world,mode", PARITY)
 def test_parity_with_one_process_run(runs, reference, reference_short, world, mode):
     records, path = runs(world)[0][mode]
-    ref_records, ref_state = reference if world == 2 else reference_short
+    ref_records, ref_state = reference if (world, mode) == FULL else reference_short
     harness.assert_logs_match(records, ref_records, tol=1e-4)
     harness.assert_logs_match([r for r in records if "val_loss" in r], [r for r in ref_records if "val_loss" in r],
                               tol=1e-4, key="val_loss")
@@ -464,11 +466,11 @@ def test_bad_input_stops_every_rank(runs, world):
                 assert err.startswith("error:") and words in err, err
 
 
-def test_one_process_reproduces_reference(train_args, reference, tmp_path):
+def test_one_process_reproduces_reference(train_args, reference_short, tmp_path):
     with one_thread():
-        records = TP.main(train_args + [f"--save_path={tmp_path / 'state.pt'}"])
-    harness.assert_logs_match(records, reference[0], tol=1e-4)
-    harness.assert_states_match(torch.load(tmp_path / "state.pt"), reference[1])
+        records = TP.main(train_args + [f"--max_iters={SHORT_STEPS}", f"--save_path={tmp_path / 'state.pt'}"])
+    harness.assert_logs_match(records, reference_short[0], tol=1e-4)
+    harness.assert_states_match(torch.load(tmp_path / "state.pt"), reference_short[1])
     assert all(r["comm_bytes"] == [0] for r in records)
 
 
