@@ -47,8 +47,9 @@ MOE_STRATEGIES = [  # the mixture-of-experts model: its own baseline
 
 
 def launch(script, world, flags, log, timeout):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
-           script, *flags, f"--log_file={log}"]
+    # a baseline is the one-process run, as a user starts it (`python ddp.py`): no launcher
+    run = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}"] if world > 1 else []
+    cmd = [sys.executable, *run, script, *flags, f"--log_file={log}"]
     try:
         r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
                            env=dict(os.environ, OMP_NUM_THREADS="1"))

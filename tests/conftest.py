@@ -24,7 +24,7 @@ sys.path.insert(0, ROOT)
 VOCAB = 192
 # the tiny preset over 20 steps: the run every strategy must reproduce
 TRAIN_ARGS = ["--model=tiny", "--batch_size=24", "--block_size=32", "--max_iters=20", "--lr=1e-3",
-              "--min_lr=1e-4", "--warmup_iters=4", "--eval_interval=10", "--eval_iters=2",
+              "--min_lr=1e-4", "--warmup_iters=4", "--eval_interval=10", "--eval_iters=1",
               "--dtype=float32", "--seed=7", "--log_interval=0"]
 
 

@@ -53,11 +53,11 @@ def test_unknown_strategy_is_an_error(capsys):
 
 
 def test_a_failing_strategy_is_reported_in_its_row(data_dir, capsys):
-    # 2 ranks cannot share a batch of 5 rows: data parallelism fails, and the strategies
-    # around it still run (tensor parallel gives every rank the whole batch)
+    # 2 ranks cannot share a batch of 5 rows: data parallelism fails, and the rows after it
+    # still run (a baseline is one process: the whole batch is its own)
     rows = compare.main(["--world=2", "--iters=1", "--block_size=32", "--batch_size=5", f"--data_dir={data_dir}",
-                         "--only", "tensor", "ddp", "--timeout=120"])
-    assert [r["strategy"] for r in rows] == ["ddp", "tensor"]  # in the table's order
+                         "--only", "moe-baseline", "ddp", "--timeout=120"])
+    assert [r["strategy"] for r in rows] == ["ddp", "moe-baseline"]  # in the table's order
     assert "--batch_size=5 does not divide into 2 ranks" in rows[0]["error"], rows[0]
-    assert "error" not in rows[1] and rows[1]["sent_mb"] > 0
+    assert "error" not in rows[1] and rows[1]["ranks"] == 1 and rows[1]["sent_mb"] == 0
     assert "FAILED" in capsys.readouterr().out

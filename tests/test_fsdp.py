@@ -34,9 +34,9 @@ RUNS = {
 # resumed run is short; ZeRO-3 past the schedule's warm-up, ZeRO-1 (which must refresh its full
 # weights from the loaded shards) in its short run.
 RESUMED = {"zero3_prefetch2_accum2": 15, "zero1_accum2": 4}
-# bf16 at 2 ranks, 4 steps (a bf16 matmul on a CPU costs ~9 float32 ones), against the
-# one-process bf16 run of ddp.py
-BF16_STEPS = ["--dtype=bfloat16", "--max_iters=4", "--eval_interval=0"]
+# bf16 at 2 ranks, 4 steps of 8 rows (a bf16 matmul on a CPU without bf16 units costs ~10
+# float32 ones), against the one-process bf16 run of ddp.py
+BF16_STEPS = ["--dtype=bfloat16", "--batch_size=8", "--max_iters=4", "--eval_interval=0"]
 BF16_RUNS = [("zero3_bf16", []), ("zero1_accum2_bf16", ["--zero_stage=1", "--grad_accum=2"]),
              ("zero2_bf16", ["--zero_stage=2"])]
 
@@ -184,11 +184,12 @@ def bf16_reference(train_args):
 def test_bf16_matches_autocast_run(runs, bf16_reference):
     """bf16: the same model as the one-process autocast run (linear weights gathered in bf16,
     LayerNorm and the ends in fp32), gradients reduced and accumulated in fp32. Measured at 2
-    ranks over 8 steps: iteration 0 equal, then within 1.1e-4 (ZeRO-3) and 2.0e-4 (ZeRO-1,
-    grad_accum 2); DDP at 2 ranks drifts as far (1.4e-4): a bf16 matmul over half the rows
-    rounds its gradient otherwise (these figures from 8-step runs; the test runs 4). Gathering everything in bf16 (the embedding and norms on
-    rounded weights) is off by 1.6e-5 at step 0, 9e-4 at step 1, 1.2e-2 by step 7. Reducing
-    in bf16, or gathering the norms in bf16, stays within the drift: the bytes pin those dtypes."""
+    ranks over these 4 steps of 8 rows: iteration 0 within 7e-7, then within 1.4e-4 (ZeRO-3,
+    ZeRO-2) and 1.0e-4 (ZeRO-1, grad_accum 2); DDP at 2 ranks drifts as far (1.4e-4 over 8
+    steps of 24 rows): a bf16 matmul over half the rows rounds its gradient otherwise.
+    Gathering everything in bf16 (the embedding and norms on rounded weights) was off by
+    1.6e-5 at step 0, 9e-4 at step 1, 1.2e-2 by step 7 (24 rows). Reducing in bf16, or
+    gathering the norms in bf16, stays within the drift: the bytes pin those dtypes."""
     import fsdp
     results, norm_bytes = runs(2)
     config = M.make_config("tiny", VOCAB, block_size=32)
