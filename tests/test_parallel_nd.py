@@ -1,14 +1,15 @@
-"""parallel_3d.py: data x tensor x pipeline on one mesh, against the one-process run.
+"""parallel_nd.py: every axis on one mesh (pp x dp_replicate x dp_shard x cp x tp), against
+the one-process run.
 
-Two spawns. At 4 ranks: (dp, tp, pp) = (2, 2, 1), (2, 1, 2), (1, 2, 2), 20 steps each,
-GPipe and 1F1B (interleaved and ZB-H1 for 6 steps) (on one stage with one micro-batch they are the same plan, checked on
-paper, so (2, 2, 1) runs once), sequence parallelism on the 1F1B run of (1, 2, 2); the
-1F1B run of (2, 1, 2) also checkpoints and is resumed, its GPipe run all-reduces after the
-pipeline drains instead of during the last backward; and bad input. At 8 ranks:
-(2, 2, 2) for 20 steps under both schedules, then every factorization of 8 for 2 steps
-on a model that each of them can split. Every run's bytes per axis are held to
-axis_bytes (the formula bench/plan_3d.py plans with), per group and in all, and its
-state to the parameters the plan counts per stage.
+Three spawns, each one launch running many short runs, most of 3 steps against the
+one-process run of the same 3 steps (losses, validation, the final parameters). At 8 ranks
+the issue's mesh layouts: dp_shard 2 x tp 2 x pp 2; HSDP (dp_replicate 2 x dp_shard 2) x tp 2;
+dp_shard 2 x cp 2 x tp 2 (zigzag); pp 2 x cp 2 x dp_shard 2 (contiguous); then one bf16 run
+of pp 2 x cp 2 x tp 2 for its bytes. At 4 ranks: HSDP (dp_replicate 2 x dp_shard 2) for 20 steps (the
+schedule's whole warm-up and decay), every pair of the five axes once for 3 steps (ZeRO-1,
+ZeRO-2, bf16 and interleaved among them), an exact resume, and bad layouts. At 2 ranks
+(quick): dp_shard 2. Every run's bytes per axis are held to axis_bytes (per group and in
+all, nothing sent outside the axes), and its state to state_per_rank.
 """
 import contextlib
 import io
@@ -20,35 +21,49 @@ import pytest
 import torch
 
 import model as M
-import parallel_3d as P3
+import parallel_nd as P
 import pipeline_parallel as PP
 from harness import spawn, assert_logs_match, assert_states_match
-from conftest import ROOT, SHORT_STEPS, VOCAB
+from conftest import ROOT, VOCAB
 
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 import plan_3d  # noqa: E402
 
 BATCH, BLOCK = 24, 32  # conftest.TRAIN_ARGS
-# (dp, tp, pp), schedule, micro-batches, sequence parallel: the parity runs; the 20-step
-# ones (a layout of every pair of axes, and the whole mesh), the rest 6 (conftest.SHORT_STEPS)
-PARITY = {4: [((2, 2, 1), "1f1b", 1, False), ((2, 1, 2), "gpipe", 3, False), ((2, 1, 2), "1f1b", 3, False),
-              ((1, 2, 2), "gpipe", 2, False), ((1, 2, 2), "1f1b", 2, True)],
-          8: [((2, 2, 2), "gpipe", 2, False), ((2, 2, 2), "1f1b", 2, True)]}
-LONG = {((2, 2, 1), "1f1b", 1, False), ((2, 1, 2), "1f1b", 3, False), ((1, 2, 2), "1f1b", 2, True),
-        ((2, 2, 2), "1f1b", 2, True)}
-# the newer schedules, 6 steps each (their 20-step parity is pipeline_parallel's test's)
-SHORT = [((1, 2, 2), "interleaved", 2, False), ((2, 1, 2), "zb", 2, False)]
-RESUMED = ((2, 1, 2), "1f1b", 3, False)  # the dp replicas and both tied copies load (tp slices: --save_path)
-NO_OVERLAP = ((2, 1, 2), "gpipe", 3, False)  # the dp all-reduce after the pipeline drains, not during it
-# a model every factorization of 8 can split: 8 heads, 8 blocks; 2 steps each
-MESH8 = dict(n_layer=8, n_head=8, n_embd=32, block_size=BLOCK)
-MESH8_ARGS = ["--model=mesh8", "--max_iters=2", "--eval_interval=0"]
 
 
-def flags(layout, schedule, m, sp):
-    dp, tp, pp = layout
-    return [f"--dp={dp}", f"--tp={tp}", f"--pp={pp}", f"--schedule={schedule}", f"--n_micro={m}",
-            f"--sequence_parallel={sp}"]
+def mesh_flags(pp=1, rep=1, shard=1, cp=1, tp=1, *extra):
+    return [f"--pp={pp}", f"--dp_replicate={rep}", f"--dp_shard={shard}", f"--cp={cp}", f"--tp={tp}", *extra]
+
+
+THREE = ["--max_iters=3", "--eval_interval=2", "--eval_iters=1"]  # validation at steps 0 and 2
+# name -> flags: 3 steps, compared with the one-process run of the same 3 (losses, validation, parameters)
+LAYOUTS8 = {"shard x tp x pp": mesh_flags(2, 1, 2, 1, 2), "hsdp x tp": mesh_flags(1, 2, 2, 1, 2),
+            "shard x cp x tp": mesh_flags(1, 1, 2, 2, 2, "--layout=zigzag"),
+            "pp x cp x shard": mesh_flags(2, 1, 2, 2, 1, "--layout=contiguous", "--schedule=gpipe")}
+BF16_8 = mesh_flags(2, 1, 1, 2, 2, "--dtype=bfloat16", "--sequence_parallel=False")
+LONG4 = mesh_flags(1, 2, 2)  # HSDP, 20 steps
+PAIRS4 = {  # every pair of the five axes, at 2 x 2, 3 steps each
+    "pp x rep": mesh_flags(2, 2, 1, 1, 1, "--n_micro=3"),
+    "pp x shard": mesh_flags(2, 1, 2, 1, 1, "--zero_stage=2", "--schedule=interleaved", "--n_micro=2"),
+    "pp x cp": mesh_flags(2, 1, 1, 2, 1),
+    "pp x tp": mesh_flags(2, 1, 1, 1, 2, "--sequence_parallel=True"),
+    "rep x shard": mesh_flags(1, 2, 2, 1, 1, "--zero_stage=1"),
+    "rep x cp": mesh_flags(1, 2, 1, 2, 1),
+    "rep x tp": mesh_flags(1, 2, 1, 1, 2, "--overlap=False"),
+    "shard x cp": mesh_flags(1, 1, 2, 2, 1, "--layout=contiguous", "--dtype=bfloat16"),
+    "shard x tp": mesh_flags(1, 1, 2, 1, 2),
+    "cp x tp": mesh_flags(1, 1, 1, 2, 2),
+}
+RESUMED = mesh_flags(2, 2, 1, 1, 1)  # replicas and both tied copies saved, and loaded
+BAD = {  # flags -> the one line's text
+    ("--dp_shard=3",): "--pp=1 x --dp_shard=3 x --cp=1 x --tp=1 = 3 ranks does not divide the world size 4",
+    ("--dp_replicate=2", "--dp_shard=1", "--tp=1"): "= 2 ranks, but the world has 4",
+    ("--tp=4", "--dp_replicate=1", "--model=gpt2-xl"): "--tp=4 must divide the 25 heads",
+    ("--cp=4", "--block_size=20"): "--cp=4 needs --block_size (20) divisible into 8 equal chunks",
+    ("--cp=2", "--sequence_parallel=True"): "--cp > 1 needs --sequence_parallel=False",
+    ("--dp=2", "--dp_replicate=4"): "--dp is --dp_replicate's old name",
+}
 
 
 def _quiet(fn, argv):
@@ -56,37 +71,52 @@ def _quiet(fn, argv):
         return fn(argv), out.getvalue()
 
 
+def _bad(argv):
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            P.main(argv)
+            code = 0
+        except SystemExit as e:
+            code = e.code
+    return code, err.getvalue()
+
+
 def _run_all(rank, world, train_args, out):
-    """Every run of one world size, in one process start. -> rank 0's {key: result}."""
-    M.PRESETS["mesh8"] = MESH8
+    """Every run of one world size, in one process start. -> rank 0's {name: result}."""
     results = {}
-    for i, run in enumerate(PARITY[world]):
-        path = os.path.join(out, f"state{i}.pt")
-        extra = [f"--out_dir={out}/ckpt", "--ckpt_interval=10"] if run == RESUMED else []
-        extra += ["--overlap=False"] if run == NO_OVERLAP else []
-        steps = [] if run in LONG else [f"--max_iters={SHORT_STEPS}"]
-        results[run] = _quiet(P3.main, train_args + flags(*run) + steps + [f"--save_path={path}"] + extra) + (path,)
-    if world == 4:
-        for run in SHORT:
-            results[run] = _quiet(P3.main, train_args + flags(*run) + ["--max_iters=6"])[0]
-        results["resumed"] = _quiet(P3.main, train_args + flags(*RESUMED) + [f"--resume={out}/ckpt/step_000010"])[0]
-        err = io.StringIO()
-        with contextlib.redirect_stderr(err):
-            try:
-                P3.main(train_args + ["--dp=3", "--tp=1", "--pp=1"])
-                code = 0
-            except SystemExit as e:
-                code = e.code
-        results["bad"] = (code, err.getvalue())
+
+    def run(name, flags, save=False):
+        path = os.path.join(out, f"{len(results)}.pt")
+        argv = train_args + flags + ([f"--save_path={path}"] if save else [])
+        results[name] = _quiet(P.main, argv) + (path if save else None, argv)
+
     if world == 8:
-        for i, layout in enumerate(plan_3d.factorizations(8)):
-            # sequence parallelism's bytes are checked in the 20-step runs too: here once, as
-            # is bfloat16's (the compute dtype's 2 bytes inside the tensor parallel regions)
-            schedule, sp = ("gpipe", "1f1b")[i % 2], layout == (2, 4, 1)
-            dtype = "bfloat16" if layout == (1, 4, 2) else "float32"
-            argv = train_args + MESH8_ARGS + flags(layout, schedule, 3, sp) + [f"--dtype={dtype}"]
-            results[("mesh8", layout)] = (_quiet(P3.main, argv)[0], argv)
+        for name, flags in LAYOUTS8.items():
+            run(name, flags + THREE, save=True)
+        run("bf16", BF16_8 + THREE)
+    if world == 4:
+        run("long", LONG4, save=True)
+        for name, flags in PAIRS4.items():
+            run(name, flags + THREE, save="bfloat16" not in " ".join(flags))
+        run("first", RESUMED + ["--max_iters=6", "--eval_interval=0", f"--out_dir={out}/ckpt", "--ckpt_interval=3"])
+        run("resumed", RESUMED + ["--max_iters=6", "--eval_interval=0", f"--resume={out}/ckpt/step_000003"])
+        for flags in BAD:
+            results[flags] = _bad(train_args + list(flags))
+    if world == 2:
+        run("quick", mesh_flags(1, 1, 2) + THREE, save=True)
     return results if rank == 0 else None
+
+
+@pytest.fixture(scope="module")
+def reference_three(train_args, tmp_path_factory):
+    """The one-process run of ddp.py for the 3 steps of THREE: (records, final state_dict)."""
+    import ddp
+    torch.set_num_threads(1)
+    path = str(tmp_path_factory.mktemp("reference_three") / "state.pt")
+    with contextlib.redirect_stdout(io.StringIO()):
+        records = ddp.main(train_args + THREE + [f"--save_path={path}"])
+    return records, torch.load(path)
 
 
 @pytest.fixture(scope="module")
@@ -95,117 +125,133 @@ def runs(train_args, tmp_path_factory):
 
     def at(world):
         if world not in done:
-            done[world] = spawn(_run_all, world, train_args, str(tmp_path_factory.mktemp(f"p3d{world}")),
-                                timeout=600)[0]
+            done[world] = spawn(_run_all, world, train_args, str(tmp_path_factory.mktemp(f"nd{world}")),
+                                timeout=900)[0]
         return done[world]
     return at
 
 
-def check_bytes(records, config, cfg, layout):
-    """Measured bytes per axis against axis_bytes: each group's sum, and the world's; and
-    nothing sent outside the three axes."""
-    dp, tp, pp = layout
-    world = P3.axis_bytes(config, cfg, dp, tp, pp)
+def _mesh(argv):
+    cfg = M.parse_args(P.DEFAULTS, argv)
+    cfg.n_micro = cfg.n_micro or (2 * cfg.pp if cfg.pp > 1 else 1)
+    config = M.make_config("tiny", VOCAB, BLOCK)
+    return config, cfg, P.layout(cfg, config, 0, check=False)
+
+
+def check_bytes(records, argv):
+    """Measured bytes per axis against axis_bytes: each group's sum, and the world's;
+    nothing sent outside the five axes; every axis of size > 1 sends; and the state
+    each rank keeps against state_per_rank."""
+    config, cfg, mesh = _mesh(argv)
+    world = P.world_of(mesh)
+    total = P.axis_bytes(config, cfg, mesh)
     for r in records:
-        for a in P3.AXES:
+        for a in P.AXES:
             sent = r[f"comm_bytes_{a}"]
-            assert sum(sent) == world[a], (layout, a, sum(sent), world[a])
-            for ranks in P3.mesh_groups(dp, tp, pp)[a]:
-                stage = P3.coords(ranks[0], dp, tp, pp)[0]
-                want = P3.axis_bytes(config, cfg, dp, tp, pp, stage=stage)[a]
-                assert sum(sent[i] for i in ranks) == want, (layout, a, ranks)
+            assert sum(sent) == total[a], (mesh, a, sum(sent), total[a])
+            for ranks in P.mesh_groups(mesh)[a]:
+                want = P.axis_bytes(config, cfg, mesh, stage=P.coords(ranks[0], mesh).pp)[a]
+                assert sum(sent[i] for i in ranks) == want, (mesh, a, ranks)
                 assert sum(r[f"formula_bytes_{a}"][i] for i in ranks) == pytest.approx(want)
-        assert r["comm_bytes"] == [sum(r[f"comm_bytes_{a}"][i] for a in P3.AXES) for i in range(dp * tp * pp)]
-    assert all((world[a] > 0) == (n > 1) for a, n in zip(P3.AXES, layout))  # a formula that can fail
-    # the state: float32 weight, gradient and Adam's two moments for what the plan counts per stage
-    state = [16 * sum(P3.stage_params(config, tp, pp, P3.coords(i, dp, tp, pp)[0])) for i in range(dp * tp * pp)]
-    assert records[-1]["state_bytes"] == state, layout
+        assert r["comm_bytes"] == [sum(r[f"comm_bytes_{a}"][i] for a in P.AXES) for i in range(world)]
+    assert all((total[a] > 0) == (n > 1) for a, n in mesh._asdict().items())  # a formula that can fail
+    state = [P.state_per_rank(config, cfg, mesh, P.coords(i, mesh).pp, P.coords(i, mesh).dp_shard)
+             for i in range(world)]
+    assert records[-1]["state_bytes"] == state, (mesh, records[-1]["state_bytes"], state)
 
 
-def _cfg(argv):
-    return M.parse_args(P3.DEFAULTS, argv)
+def check_run(result, ref):
+    """Losses and validation losses within 1e-4 of the reference, the same final parameters,
+    the bytes and the state of check_bytes, and the mesh printed."""
+    records, printed, path, argv = result
+    assert_logs_match(records, ref[0], 1e-4)
+    assert_logs_match([r for r in records if "val_loss" in r], [r for r in ref[0] if "val_loss" in r],
+                      1e-4, key="val_loss")
+    assert_states_match(torch.load(path), ref[1])
+    check_bytes(records, argv)
+    # rank 0 prints the mesh: every rank's coordinates and groups
+    _, _, mesh = _mesh(argv)
+    for r in range(P.world_of(mesh)):
+        c = P.coords(r, mesh)
+        groups = {a: next(g for g in P.mesh_groups(mesh)[a] if r in g) for a in P.AXES}
+        assert (f"rank {r:4d} (pp, dp_replicate, dp_shard, cp, tp) = ({', '.join(map(str, c))})  "
+                + "  ".join(f"{a} group {groups[a]}" for a in P.CREATED)) in printed
 
 
-@pytest.mark.parametrize("world", [4, 8])
-def test_parity_and_bytes(world, runs, reference, reference_short, train_args):
-    results = runs(world)
-    config = M.make_config("tiny", VOCAB, BLOCK)
-    for run in PARITY[world]:
-        ref_records, ref_state = reference if run in LONG else reference_short
-        (records, printed, path) = results[run]
-        assert_logs_match(records, ref_records, 1e-4)
-        assert_logs_match([r for r in records if "val_loss" in r], [r for r in ref_records if "val_loss" in r],
-                          1e-4, key="val_loss")
-        assert_states_match(torch.load(path), ref_state)
-        check_bytes(records, config, _cfg(train_args + flags(*run)), run[0])
-        # rank 0 prints the mesh: every rank's coordinates and groups
-        dp, tp, pp = run[0]
-        for r in range(world):
-            p, d, t = P3.coords(r, dp, tp, pp)
-            assert f"rank {r:4d} (pp, dp, tp) = ({p}, {d}, {t})" in printed
-            groups = {a: next(g for g in P3.mesh_groups(dp, tp, pp)[a] if r in g) for a in P3.AXES}
-            assert f"tp group {groups['tp']}  dp group {groups['dp']}  pp group {groups['pp']}" in printed
-
-
-def test_every_schedule(runs, reference, train_args):
-    """Interleaved (2 chunks a stage) and ZB-H1 on a mesh: the reference's losses, and the
-    bytes of axis_bytes (interleaved: 2·(pp·v-1)·m activations across the pipeline)."""
-    results = runs(4)
-    config = M.make_config("tiny", VOCAB, BLOCK)
-    for run in SHORT:
-        records = results[run]
-        assert_logs_match(records, reference[0][:6], 1e-4)
-        check_bytes(records, config, _cfg(train_args + flags(*run) + ["--max_iters=6"]), run[0])
-
-
-def test_resume_and_bad_input(runs):
-    results = runs(4)
-    first = results[RESUMED][0]
-    resumed = results["resumed"]
-    assert [r["iter"] for r in resumed] == list(range(10, 20))
-    assert [r["loss"] for r in resumed] == [r["loss"] for r in first[10:]]
-    code, err = results["bad"]
-    assert code != 0 and err.count("\n") == 1 and err.startswith("error:")
-    assert "--dp=3 x --tp=1 x --pp=1 = 3 ranks, but the world has 4" in err, err
-
-
-def test_plan_traffic_is_measured_for_every_factorization_of_8(runs, train_args):
-    """bench/plan_3d.py's traffic model (parallel_3d.axis_bytes) against the bytes every
-    factorization of 8 sends, exactly, with and without sequence parallelism, in float32
-    and (one) bfloat16."""
-    assert plan_3d.axis_bytes is P3.axis_bytes and plan_3d.axis_messages is P3.axis_messages
+def test_every_axis_at_8_ranks(runs, reference_three):
     results = runs(8)
-    config = M.GPTConfig(**MESH8, vocab_size=VOCAB)
-    layouts = plan_3d.factorizations(8)
-    assert len(layouts) == 10 and all(dp * tp * pp == 8 for dp, tp, pp in layouts)
-    for layout in layouts:
-        records, argv = results[("mesh8", layout)]
-        assert len(records) == 2
-        check_bytes(records, config, _cfg(argv), layout)
+    for name in LAYOUTS8:
+        check_run(results[name], reference_three)
+    records, _, _, argv = results["bf16"]
+    assert len(records) == 3
+    check_bytes(records, argv)  # the compute dtype's 2 bytes in tp's regions and on the ring
+
+
+def test_every_pair_of_axes_at_4_ranks(runs, reference, reference_three):
+    results = runs(4)
+    check_run(results["long"], reference)
+    for name in PAIRS4:
+        if "--dtype=bfloat16" in PAIRS4[name]:  # bf16: its bytes; its losses within bf16's rounding
+            records, _, _, argv = results[name]
+            assert all(abs(r["loss"] - q["loss"]) < 5e-2 for r, q in zip(records, reference_three[0]))
+            check_bytes(records, argv)
+        else:
+            check_run(results[name], reference_three)
+
+
+def test_resume_and_bad_layouts(runs):
+    results = runs(4)
+    first, resumed = results["first"][0], results["resumed"][0]
+    assert [r["iter"] for r in resumed] == list(range(3, 6))
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in first[3:]]
+    for flags, message in BAD.items():
+        code, err = results[flags]
+        assert code != 0 and err.count("\n") == 1 and err.startswith("error:"), (flags, err)
+        assert message in err, (flags, err)
+
+
+@pytest.mark.quick
+def test_dp_shard_at_2_ranks(runs, reference_three):
+    check_run(runs(2)["quick"], reference_three)
 
 
 def test_mesh_and_formulas_on_paper():
-    """The layout rank = pp·(dp·tp) + dp·tp + tp_rank, groups that partition the ranks;
-    one schedule plan on one stage with one micro-batch; and the 3-D byte count reduces to
-    each strategy's own formula when the other two axes are 1."""
-    dp, tp, pp = 2, 3, 4
-    for r in range(24):
-        p, d, t = P3.coords(r, dp, tp, pp)
-        assert r == p * dp * tp + d * tp + t == P3.rank_of(p, d, t, dp, tp)
-    for a, n in zip(P3.AXES, (dp, tp, pp)):
-        groups = P3.mesh_groups(dp, tp, pp)[a]
-        assert sorted(r for g in groups for r in g) == list(range(24)) and all(len(g) == n for g in groups)
-    assert P3.mesh_groups(dp, tp, pp)["tp"][0] == [0, 1, 2]  # neighbours: one node
-    assert PP.plan("gpipe", 1, 1, 0) == PP.plan("1f1b", 1, 1, 0)
+    """The layout rank = (((pp·R + r)·S + s)·CP + c)·TP + t, groups that partition the ranks;
+    and the byte count and the state reduce to each strategy's own when the other axes are 1."""
+    mesh = P.Mesh(2, 3, 2, 2, 3)
+    world = P.world_of(mesh)
+    for r in range(world):
+        c = P.coords(r, mesh)
+        assert r == P.rank_of(c, mesh) == (((c.pp * 3 + c.dp_replicate) * 2 + c.dp_shard) * 2 + c.cp) * 3 + c.tp
+    for a, n in mesh._asdict().items():
+        groups = P.mesh_groups(mesh)[a]
+        assert sorted(r for g in groups for r in g) == list(range(world)) and all(len(g) == n for g in groups)
+    assert P.mesh_groups(mesh)["tp"][0] == [0, 1, 2] and P.mesh_groups(mesh)["cp"][0] == [0, 3]
+    import context_parallel
     import ddp
+    import fsdp
     import tensor_parallel as TP
     config = M.make_config("tiny", VOCAB, BLOCK)
     for n in (2, 4):
-        cfg = SimpleNamespace(batch_size=BATCH, n_micro=1, dtype="float32", grad_clip=1.0, sequence_parallel=False,
-                              dp=0, tp=1, pp=1)
-        assert P3.traffic_per_rank(config, cfg, n) == pytest.approx(ddp.traffic_per_rank(config, cfg, n))
+        base = dict(batch_size=BATCH, n_micro=1, dtype="float32", grad_clip=1.0, sequence_parallel=False,
+                    dp=0, dp_replicate=0, dp_shard=1, cp=1, tp=1, pp=1, zero_stage=3, layout="zigzag")
+        cfg = SimpleNamespace(**base)
+        assert P.traffic_per_rank(config, cfg, n) == pytest.approx(ddp.traffic_per_rank(config, cfg, n))
         for sp in (False, True):
-            cfg.tp, cfg.sequence_parallel = n, sp
-            assert P3.traffic_per_rank(config, cfg, n) == pytest.approx(TP.traffic_per_rank(config, cfg, n))
-        cfg.tp, cfg.pp, cfg.sequence_parallel, cfg.n_micro = 1, n, False, 4
-        assert P3.traffic_per_rank(config, cfg, n) == pytest.approx(PP.traffic_per_rank(config, cfg, n))
+            cfg = SimpleNamespace(**dict(base, tp=n, sequence_parallel=sp))
+            assert P.traffic_per_rank(config, cfg, n) == pytest.approx(TP.traffic_per_rank(config, cfg, n))
+        cfg = SimpleNamespace(**dict(base, pp=n, n_micro=4))
+        assert P.traffic_per_rank(config, cfg, n) == pytest.approx(PP.traffic_per_rank(config, cfg, n))
+        for dtype in ("float32", "bfloat16"):
+            cfg = SimpleNamespace(**dict(base, cp=n, dtype=dtype))
+            assert P.traffic_per_rank(config, cfg, n) == pytest.approx(
+                context_parallel.traffic_per_rank(config, cfg, n))
+        # one gather and one reduce-scatter a step: fsdp.py's ZeRO-2 traffic (fp32), and its state
+        for stage in (1, 2, 3):
+            cfg = SimpleNamespace(**dict(base, dp_shard=n, zero_stage=stage))
+            fcfg = M.parse_args(fsdp.DEFAULTS, ["--zero_stage=2", "--dtype=float32"])
+            assert P.traffic_per_rank(config, cfg, n) == pytest.approx(fsdp.traffic_per_rank(config, fcfg, n))
+            fcfg.zero_stage = stage
+            mesh = P.Mesh(1, 1, n, 1, 1)
+            assert [P.state_per_rank(config, cfg, mesh, 0, r) for r in range(n)] == \
+                fsdp.state_per_rank(config, fcfg, n)
