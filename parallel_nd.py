@@ -407,7 +407,7 @@ class ShardedUnit:
         self.shard = self.full[mine] if zero_stage < 3 else self.full[mine].clone()
         self.full_grad = torch.zeros_like(self.full) if zero_stage == 1 else None
         self.grad = self.full_grad[mine] if zero_stage == 1 else torch.zeros(self.size, device=device)
-        self.gathered = True
+        self.gathered, self.held = True, []  # held: (parameter, its piece here, its offset, from, to)
         if zero_stage == 3:
             self.free()
 
@@ -458,7 +458,54 @@ class ShardedUnit:
                 piece, g = piece.view(1, -1), g.view(1, -1)
             piece.grad = g
             out.append((name, piece, counted(p)))
+            self.held.append((p, piece, o, lo - o, hi - o))
         return out
+
+
+class FullState:
+    """What model.py's checkpoints see of the sharded optimizer: its param_groups (the
+    learning rate), and a `state` keyed by the stage's full (tp-sliced) parameters, so a
+    checkpoint holds global tensors that any layout loads: unshard() fills it before a
+    save; restore() fills it from a checkpoint, and reshard() hands it to the shards."""
+
+    def __init__(self, optimizer):
+        self.optimizer, self.state = optimizer, {}
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+
+@torch.no_grad()
+def unshard(units, full_state):
+    """Every unit's full weights (ZeRO-3: gathered) and Adam's moments all-gathered over the
+    shard group into full-parameter tensors, for a checkpoint. Untracked: not training traffic."""
+    optimizer = full_state.optimizer
+    with C.untracked():
+        for u in units:
+            u.gather()
+            moments = {}
+            for m in M.MOMENTS:
+                flat = torch.zeros(u.size, device=u.shard.device)
+                for _, piece, o, lo, hi in u.held:
+                    flat[o + lo - u.start:o + hi - u.start] = optimizer.state[piece][m].reshape(-1)
+                moments[m] = torch.empty_like(u.full)
+                C.all_gather(moments[m], flat, group=u.group)
+            for p, o in zip(u.params, u.offsets):
+                full_state.state[p] = {m: moments[m][o:o + p.numel()].view_as(p) for m in M.MOMENTS}
+
+
+@torch.no_grad()
+def reshard(units, full_state, optimizer):
+    """After restore() loaded the full parameters and their moments: each rank keeps its shard
+    of both (and the step count), as the run had them when it saved."""
+    for u in units:
+        u.shard.copy_(u.full[u.start:u.start + u.size])
+        for p, piece, _, lo, hi in u.held:
+            state = full_state.state.get(p)
+            if state:
+                optimizer.state[piece] = dict(step=state["step"].clone(), **{
+                    m: state[m].reshape(-1)[lo:hi].reshape(piece.shape).clone() for m in M.MOMENTS})
 
 
 def average(tensors, group):
@@ -577,9 +624,8 @@ def main(argv=None):
     if cfg.cp > 1 and (cfg.sequence_parallel or cfg.dropout):
         M.die("--cp > 1 needs --sequence_parallel=False and --dropout=0: the ring holds whole sequences' "
               "chunks, and its backward recomputes the attention weights without forward's masks")
-    if cfg.dp_shard > 1 and (cfg.out_dir or cfg.resume or cfg.compile):
-        M.die("--dp_shard > 1 does not yet checkpoint (--out_dir, --resume: Adam's moments live in flat "
-              "shards) or compile (--compile: its weights come and go); --save_path works")
+    if cfg.dp_shard > 1 and cfg.compile:
+        M.die("--compile with --dp_shard > 1: not yet (the units' weights come and go between steps)")
 
     run = M.start(cfg, "parallel_nd")
     rank, world, device, config = run.rank, run.world, run.device, run.config
@@ -611,8 +657,24 @@ def main(argv=None):
         optimizer = M.make_optimizer(stage.named_parameters(), cfg, device)
     run.layout = dict(mesh._asdict(), zero_stage=cfg.zero_stage, layout=cfg.layout, schedule=cfg.schedule,
                       n_micro=n_micro, sequence_parallel=sp)
+    def free_units():  # ZeRO-3: a unit's full weights live only from its first use in a step to the step's end
+        if cfg.zero_stage == 3:
+            for u in units:
+                u.free()
+
     writer = me.dp_replicate == me.dp_shard == me.cp == 0
-    M.restore(run, checkpoint_entries(stage, tp_group, writer), optimizer)  # both tied copies are loaded
+    entries = checkpoint_entries(stage, tp_group, writer)
+    if S > 1:  # the checkpoint holds full tensors: load them into the full weights, then keep the shards
+        full_state = FullState(optimizer)
+        with C.untracked():
+            for u in units:
+                u.gather()  # ZeRO-3: the full weights for now, to load into (or to keep, with nothing to load)
+        M.restore(run, entries, full_state)
+        reshard(units, full_state, optimizer)
+        full_state.state.clear()
+        free_units()
+    else:
+        M.restore(run, entries, optimizer)  # both tied copies are loaded
     b = cfg.batch_size // (R * S * n_micro)
     s = config.block_size // mesh.cp
     act_shape = (s // mesh.tp if sp else s, b, config.n_embd)
@@ -632,11 +694,6 @@ def main(argv=None):
         batch = partial(M.batch, run, step, split, n_micro=n_micro, dp_rank=me.dp_replicate * S + me.dp_shard,
                         dp_size=R * S)
         return batch if pos is None else lambda k: tuple(t[:, pos] for t in batch(k))
-
-    def free_units():
-        if cfg.zero_stage == 3:
-            for u in units:
-                u.free()
 
     @torch.no_grad()
     def evaluate():
@@ -691,13 +748,14 @@ def main(argv=None):
         else:
             grads = buckets.buffers if buckets else [p.grad for p in params]
             state = M.tensor_bytes(params) + M.tensor_bytes(grads) + M.optimizer_state_bytes(optimizer)
+        if S > 1 and M.checkpoint_due(cfg, it + 1):
+            unshard(units, full_state)  # the full weights and moments, for end_iter's checkpoint
         M.end_iter(run, loss=torch.stack(losses).mean() if losses else 0.0, grad_norm=norm, state_bytes=state,
                    loss_ranks=last_stage, axes=groups, **{f"formula_bytes_{a}": formula[a] for a in AXES},
                    peak_micro=executor.peak_held, act_bytes=executor.peak_bytes)
-    if cfg.save_path:
-        with C.untracked():
-            for u in units:
-                u.gather()  # ZeRO-3: the full weights, for the checkpoint's tp slices
+        free_units()
+    if S > 1 and cfg.save_path:
+        unshard(units, full_state)
     return M.finish(run)
 
 

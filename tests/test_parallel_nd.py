@@ -7,7 +7,8 @@ the issue's mesh layouts: dp_shard 2 x tp 2 x pp 2; HSDP (dp_replicate 2 x dp_sh
 dp_shard 2 x cp 2 x tp 2 (zigzag); pp 2 x cp 2 x dp_shard 2 (contiguous); then one bf16 run
 of pp 2 x cp 2 x tp 2 for its bytes. At 4 ranks: HSDP (dp_replicate 2 x dp_shard 2) for 20 steps (the
 schedule's whole warm-up and decay), every pair of the five axes once for 3 steps (ZeRO-1,
-ZeRO-2, bf16 and interleaved among them), an exact resume, and bad layouts. At 2 ranks
+ZeRO-2, bf16 and interleaved among them), exact resumes, the 8-rank checkpoint loaded by
+other layouts and strategies, and bad layouts. At 2 ranks
 (quick): dp_shard 2. Every run's bytes per axis are held to axis_bytes (per group and in
 all, nothing sent outside the axes), and its state to state_per_rank.
 """
@@ -55,7 +56,10 @@ PAIRS4 = {  # every pair of the five axes, at 2 x 2, 3 steps each
     "shard x tp": mesh_flags(1, 1, 2, 1, 2),
     "cp x tp": mesh_flags(1, 1, 1, 2, 2),
 }
-RESUMED = mesh_flags(2, 2, 1, 1, 1)  # replicas and both tied copies saved, and loaded
+# exact resume at the same layout: ZeRO-3's shards and moments gathered into global tensors and
+# cut again; and without a shard axis, the replicas and both tied copies
+RESUMED = {"zero3": mesh_flags(2, 1, 2), "ddp": mesh_flags(2, 2, 1, 1, 1)}
+SAVED8 = "shard x tp x pp"  # its checkpoint (step 3) is loaded at 4 ranks by tp x pp, fsdp.py and ddp.py
 BAD = {  # flags -> the one line's text
     ("--dp_shard=3",): "--pp=1 x --dp_shard=3 x --cp=1 x --tp=1 = 3 ranks does not divide the world size 4",
     ("--dp_replicate=2", "--dp_shard=1", "--tp=1"): "= 2 ranks, but the world has 4",
@@ -82,7 +86,7 @@ def _bad(argv):
     return code, err.getvalue()
 
 
-def _run_all(rank, world, train_args, out):
+def _run_all(rank, world, train_args, out, shared):
     """Every run of one world size, in one process start. -> rank 0's {name: result}."""
     results = {}
 
@@ -93,14 +97,22 @@ def _run_all(rank, world, train_args, out):
 
     if world == 8:
         for name, flags in LAYOUTS8.items():
-            run(name, flags + THREE, save=True)
+            run(name, flags + THREE + [f"--out_dir={shared}/ckpt8"] * (name == SAVED8), save=True)
         run("bf16", BF16_8 + THREE)
     if world == 4:
         run("long", LONG4, save=True)
         for name, flags in PAIRS4.items():
             run(name, flags + THREE, save="bfloat16" not in " ".join(flags))
-        run("first", RESUMED + ["--max_iters=6", "--eval_interval=0", f"--out_dir={out}/ckpt", "--ckpt_interval=3"])
-        run("resumed", RESUMED + ["--max_iters=6", "--eval_interval=0", f"--resume={out}/ckpt/step_000003"])
+        for name, flags in RESUMED.items():
+            steps = ["--max_iters=6", "--eval_interval=0"]
+            run(("first", name), flags + steps + [f"--out_dir={out}/ckpt_{name}", "--ckpt_interval=3"])
+            run(("resumed", name), flags + steps + [f"--resume={out}/ckpt_{name}/step_000003"])
+        import ddp
+        import fsdp
+        after = ["--max_iters=4", "--eval_interval=0", f"--resume={shared}/ckpt8/step_000003"]
+        loaded = {name: _quiet(fn, train_args + flags + after)[0] for name, fn, flags in
+                  [("tp x pp", P.main, mesh_flags(2, 1, 1, 1, 2)), ("fsdp", fsdp.main, []), ("ddp", ddp.main, [])]}
+        results["loaded"] = {name: records[0]["loss"] for name, records in loaded.items() if records}  # rank 0's
         for flags in BAD:
             results[flags] = _bad(train_args + list(flags))
     if world == 2:
@@ -121,11 +133,13 @@ def reference_three(train_args, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def runs(train_args, tmp_path_factory):
-    done = {}
+    done, shared = {}, str(tmp_path_factory.mktemp("nd_shared"))
 
     def at(world):
+        if world == 4:
+            at(8)  # its checkpoint is loaded at 4 ranks
         if world not in done:
-            done[world] = spawn(_run_all, world, train_args, str(tmp_path_factory.mktemp(f"nd{world}")),
+            done[world] = spawn(_run_all, world, train_args, str(tmp_path_factory.mktemp(f"nd{world}")), shared,
                                 timeout=900)[0]
         return done[world]
     return at
@@ -199,11 +213,18 @@ def test_every_pair_of_axes_at_4_ranks(runs, reference, reference_three):
             check_run(results[name], reference_three)
 
 
-def test_resume_and_bad_layouts(runs):
+def test_checkpoints_and_bad_layouts(runs, reference_short):
+    """Exact resume at the same layout; dp_shard 2 x tp 2 x pp 2's checkpoint loaded by
+    tp 2 x pp 2, fsdp.py and ddp.py at 4 ranks: the next step's loss the same within 1e-6
+    whoever computes it, and the one-process run's within 1e-4; bad layouts: one line."""
     results = runs(4)
-    first, resumed = results["first"][0], results["resumed"][0]
-    assert [r["iter"] for r in resumed] == list(range(3, 6))
-    assert [r["loss"] for r in resumed] == [r["loss"] for r in first[3:]]
+    for name in RESUMED:
+        first, resumed = results[("first", name)][0], results[("resumed", name)][0]
+        assert [r["iter"] for r in resumed] == list(range(3, 6))
+        assert [r["loss"] for r in resumed] == [r["loss"] for r in first[3:]], name
+    loaded = results["loaded"]
+    assert max(loaded.values()) - min(loaded.values()) <= 1e-6, loaded
+    assert abs(loaded["ddp"] - reference_short[0][3]["loss"]) <= 1e-4, loaded
     for flags, message in BAD.items():
         code, err = results[flags]
         assert code != 0 and err.count("\n") == 1 and err.startswith("error:"), (flags, err)
@@ -218,6 +239,9 @@ def test_dp_shard_at_2_ranks(runs, reference_three):
 def test_mesh_and_formulas_on_paper():
     """The layout rank = (((pp·R + r)·S + s)·CP + c)·TP + t, groups that partition the ranks;
     and the byte count and the state reduce to each strategy's own when the other axes are 1."""
+    # the planner's byte and state model is the one the runs above are held to
+    assert (plan_3d.axis_bytes, plan_3d.axis_messages, plan_3d.state_per_rank) == \
+        (P.axis_bytes, P.axis_messages, P.state_per_rank)
     mesh = P.Mesh(2, 3, 2, 2, 3)
     world = P.world_of(mesh)
     for r in range(world):
