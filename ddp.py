@@ -144,7 +144,7 @@ def main(argv=None):
     if config.capacity_factor and world > 1:  # GShard's drop rule needs the routing of every rank's rows
         M.die("--capacity_factor needs the whole micro-batch's routing, which ddp.py's ranks don't share: "
               "use expert_parallel.py, or one process")
-    group = None  # the whole world; parallel_3d.py runs the same pieces on a sub-group
+    group = None  # the whole world; parallel_nd.py runs the same pieces on a sub-group
 
     # every rank builds the same model from the seed; the broadcast from rank 0
     # makes that true even if a user changes the seed per rank (a common bug)

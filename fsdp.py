@@ -455,7 +455,7 @@ def main(argv=None):
     rank, world, device, config = run.rank, run.world, run.device, run.config
     if cfg.batch_size % (world * cfg.grad_accum):
         M.die(f"--batch_size={cfg.batch_size} does not divide into {world} rank{'s' * (world > 1)} x {cfg.grad_accum} micro-steps")
-    group = None  # the whole world; parallel_3d.py runs the same pieces on a sub-group
+    group = None  # the whole world; parallel_nd.py runs the same pieces on a sub-group
     stage = cfg.zero_stage
 
     net = Sharded(build_units(config, cfg, group, device), group, stage, cfg.prefetch, run.autocast, LiveUnits())

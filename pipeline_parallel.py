@@ -418,7 +418,7 @@ def main(argv=None):
     v = check_schedule(cfg)
     run = M.start(cfg, "pipeline")
     rank, device, config = run.rank, run.device, run.config
-    group = None  # the whole world is one pipeline; parallel_3d.py runs these pieces on a sub-group
+    group = None  # the whole world is one pipeline; parallel_nd.py runs these pieces on a sub-group
     n_stages, me, last_rank = C.get_world_size(group), C.get_rank(group), C.group_ranks(group)[-1]
     if n_stages * v > config.n_layer:
         what = f"{n_stages} stages x {v} chunks" if v > 1 else f"{n_stages} stages"

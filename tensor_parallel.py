@@ -345,7 +345,7 @@ def attention(attn, x):
     T, B, _ = qkv.shape
     q, k, v = qkv.chunk(3, dim=2)  # (s, b, h/N) each: this rank's heads
     q, k, v = (t.view(T, B, -1, attn.head_dim).permute(1, 2, 0, 3) for t in (q, k, v))  # (b, nh/N, s, hs), views
-    y = F.scaled_dot_product_attention(q, k, v, dropout_p=attn.dropout if attn.training else 0.0, is_causal=True)
+    y = attn.attend(q, k, v)  # model.py's SDPA, or a mesh's context parallel ring (parallel_nd.py)
     # a view when SDPA writes y in q's (s, b, ...) memory order (the CPU kernels do), else
     # the layout's one copy, of this rank's b·s·h/N (the mirror image of model.py's transpose)
     y = y.permute(2, 0, 1, 3).reshape(T, B, -1)
@@ -439,7 +439,7 @@ def main(argv=None):
         M.die(f"the padded vocabulary ({config.vocab_size} tokens) does not split over {world} rank{'s' * (world > 1)}")
     if sp and config.block_size % world:
         M.die(f"--sequence_parallel needs --block_size ({config.block_size}) divisible by {world} rank{'s' * (world > 1)}")
-    group = None  # the whole world; parallel_3d.py runs the same pieces on a sub-group
+    group = None  # the whole world; parallel_nd.py runs the same pieces on a sub-group
 
     model = build_model(config, cfg.seed, group, sp).to(device)
     params = list(model.parameters())

@@ -14,7 +14,7 @@ The model:
            ZeRO-3 16/N), Megatron's bf16 weights with float32 main gradients and optimizer (18 replicated,
            6 + 12/d with its distributed optimizer: Megatron-LM docs/user-guide/features/dist_optimizer.md),
            or ZeRO's fp16 accounting (Rajbhandari et al. 2020, Table 1), for the parameters a rank of the
-           stage holds (parallel_3d.stage_params: 1/tp of the matrices, the small replicas whole); N is the
+           stage holds (parallel_nd.stage_params: 1/tp of the matrices, the small replicas whole); N is the
            ZeRO group (dp x cp, or HSDP's shard group). ZeRO-3 adds two gathered layers.
   act      Korthikanti et al. 2022, tp with sequence parallelism: s·b·h·(34 + 5·a·s/h)/t bytes a
            layer; selective recomputation (or flash attention) drops the 5·a·s/h of the scores; full
@@ -55,7 +55,7 @@ sys.path.insert(0, ROOT)
 import collectives as C  # noqa: E402
 import model as M  # noqa: E402
 import pipeline_parallel as PP  # noqa: E402
-from parallel_3d import axis_messages, axis_bytes, stage_params  # noqa: E402,F401  (axis_bytes: the tests' entry)
+from parallel_nd import Mesh, axis_messages, axis_bytes, stage_params, state_per_rank  # noqa: E402,F401  (the tests' entry)
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "published_runs.json")
 MODELS = dict(M.PRESETS, **{
@@ -196,7 +196,7 @@ def stage_costs(config, cl, run, lay, b):
               rep=span(repl, tp * cp * shard, cl), pp=span(pp, tp * cp * dp, cl))
     cfg = SimpleNamespace(batch_size=run.batch, n_micro=m, dtype="bfloat16" if prec != "fp32" else "float32",
                           sequence_parallel=True, grad_clip=1.0)
-    msgs = axis_messages(local, cfg, dp, tp, pp) if tp > 1 else []
+    msgs = axis_messages(local, cfg, Mesh(pp, dp, 1, 1, tp)) if tp > 1 else []
     out = []
     for k in sorted({0, pp - 1}):
         params = sum(stage_params(config, tp, pp, k)) + (V * h // tp) * (pp == 1 and not run.tied)
@@ -208,8 +208,10 @@ def stage_costs(config, cl, run, lay, b):
             if msg.axis == "tp" and msg.stage == k and msg.what not in ("norm", "replicas"):
                 t = msg.count / m * coll_time(msg.op, msg.n, msg.nbytes, lk["tp"])
                 blocks, rest = (blocks + t, rest) if msg.what == "blocks, head" else (blocks, rest + t)
-        if cp > 1:  # ring attention: K and V around the ring forward, and with their gradients backward
-            rest += 3 * layers * coll_time("p2p", 2, 2 * b * s * h / tp * act_bytes, lk["cp"], calls=cp - 1)
+        if cp > 1:  # ring attention: K and V around the ring forward and backward, dK and dV (float32) back
+            kv = 2 * b * s * h / tp  # parallel_nd.axis_messages' cp terms, per rank
+            rest += layers * (2 * coll_time("p2p", 2, kv * act_bytes, lk["cp"], calls=cp - 1)
+                              + coll_time("p2p", 2, kv * 4, lk["cp"], calls=cp - 1))
         t_pp = coll_time("p2p", 2, b * s * h / tp * act_bytes, lk["pp"]) if pp > 1 else 0.0
         calls = max(1, math.ceil(params / run.bucket_elems)) if run.bucket_elems else \
             max(1, math.ceil(params * GRAD_BYTES[prec] / CODE_BUCKET))

@@ -17,7 +17,7 @@ from harness import ROOT, python
 from conftest import make_dataset
 
 STRATEGIES = [s for s in ("ddp", "fsdp", "tensor_parallel", "pipeline_parallel", "context_parallel",
-                          "expert_parallel", "parallel_3d") if os.path.exists(os.path.join(ROOT, s + ".py"))]
+                          "expert_parallel", "parallel_nd") if os.path.exists(os.path.join(ROOT, s + ".py"))]
 BASE = ["--model=tiny", "--block_size=32", "--batch_size=4", "--max_iters=2", "--eval_interval=0"]
 
 

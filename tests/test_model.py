@@ -286,7 +286,7 @@ def test_every_clip_stays_on_the_device(monkeypatch):
             ref = torch.nn.utils.clip_grad_norm_(theirs, max_norm)
         assert torch.allclose(norm, ref)
         assert all(torch.allclose(a, p.grad) for a, p in zip(ours, theirs))
-    for f in ("fsdp.py", "tensor_parallel.py", "pipeline_parallel.py", "expert_parallel.py", "parallel_3d.py"):
+    for f in ("fsdp.py", "tensor_parallel.py", "pipeline_parallel.py", "expert_parallel.py", "parallel_nd.py"):
         assert "M.clip_by_global_norm(" in open(os.path.join(ROOT, f)).read(), f
     for f in ("ddp.py", "context_parallel.py"):
         assert "clip_grad_norm_(" in open(os.path.join(ROOT, f)).read(), f

@@ -1,7 +1,7 @@
 """bench/plan_3d.py, on paper: its formulas against the published ones (ZeRO's Table 1, Megatron's
 distributed-optimizer bytes, Korthikanti et al.'s activations, the schedules' bubbles, the ring's
 latency per step), --check against the published runs, --json as a script reads it, and bad input.
-Its traffic model is held to the bytes parallel_3d.py sends in tests/test_parallel_3d.py."""
+Its traffic model is held to the bytes parallel_nd.py sends in tests/test_parallel_nd.py."""
 import contextlib
 import io
 import json

@@ -24,7 +24,7 @@ RUNS = [("ddp overlap", "ddp", ["--bucket_mb=0.25"]),
         ("pipeline interleaved", "pipeline_parallel", ["--schedule=interleaved", "--n_micro=4"]),
         ("pipeline zb", "pipeline_parallel", ["--schedule=zb", "--n_micro=4"]),
         ("context zigzag", "context_parallel", ["--layout=zigzag"]),
-        ("3-D tp x pp", "parallel_3d", ["--tp=2", "--pp=1", "--n_micro=1"]),
+        ("n-D tp x pp", "parallel_nd", ["--tp=2", "--pp=1", "--n_micro=1"]),
         ("experts", "expert_parallel", MOE)]
 
 

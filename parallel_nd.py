@@ -1,0 +1,763 @@
+"""
+Every axis on one mesh: pipeline x data (replicated, and sharded) x context x tensor, on
+pp·dp_replicate·dp_shard·cp·tp ranks (Megatron-LM's "PTD-P", Narayanan et al. 2021, grown
+as torchtitan grows it: FSDP inside each replica group, context parallelism for long
+sequences). The pipeline cuts the model into pp stages by depth; tensor parallelism cuts
+each stage's matrices over tp ranks; context parallelism cuts each sequence into cp parts
+that attend to each other round a ring; and that group of cp·tp ranks is repeated over the
+data axes, each on its own rows of the batch: dp_shard ranks that keep 1/dp_shard of the
+stage's weights, gradients and Adam state (ZeRO), and dp_replicate copies of all that
+(HSDP when both are > 1). Nothing here is new: the pieces are ddp.py's, fsdp.py's,
+tensor_parallel.py's, context_parallel.py's and pipeline_parallel.py's, run on sub-groups.
+
+    torchrun --nproc_per_node=8 parallel_nd.py --dp=2 --tp=2 --pp=2 --n_micro=4
+    torchrun --nproc_per_node=8 parallel_nd.py --dp_shard=2 --tp=2 --pp=2            # FSDP x TP x PP
+    torchrun --nproc_per_node=8 parallel_nd.py --dp_replicate=2 --dp_shard=2 --tp=2  # HSDP x TP
+    torchrun --nproc_per_node=8 parallel_nd.py --dp_shard=2 --cp=2 --tp=2 --layout=zigzag
+    torchrun --nnodes=16 --nproc_per_node=8 ... parallel_nd.py --model=gpt2-xl --pp=4   # see bench/plan_3d.py
+
+The mesh. rank = (((pp_rank·R + rep_rank)·S + shard_rank)·CP + cp_rank)·TP + tp_rank:
+tensor parallel innermost (neighbouring ranks: one node), then context, then the data
+axes, then pipeline outermost. The order follows what each axis sends, and how often:
+  tp  4 all-reduces of b·s·h activations per layer per micro-batch (2 forward, 2 backward),
+      each on the critical path: the most bytes, most often, and nothing hides them. The
+      fastest links, NVLink inside a node.
+  cp  K and V of every layer round the ring, forward and again backward with their
+      gradients: 3·(cp-1) hops of 2·b·(s/cp)·h/tp per layer per micro-batch, each behind the
+      attention on the block in hand. Nearly tp's bytes, but hideable: the next links.
+  dp_shard  per step each unit's weights all-gathered and its gradient reduce-scattered,
+      2·(S-1)/S·4Ψ/(tp·pp): ZeRO's price for 1/S of the state, a step's worth of weights
+      in flight. Inside a node when it fits.
+  dp_replicate  one all-reduce of the (sharded) gradients per step, 2(R-1)/R·4Ψ/(tp·pp·S),
+      overlapped with the last backward (ddp.py's buckets, without a shard axis): the
+      least data axis, the one to span nodes.
+  pp  one activation per micro-batch per boundary forward and its gradient back, b·s·h
+      each, to one neighbour: the least, and it tolerates the slowest links.
+Every group is made by C.new_group(ranks), every rank making every group in the same
+order (tp groups, then cp, dp_shard, dp_replicate, pp), even those it is not in. The tie
+between the embedding (first stage) and the head (last stage) is summed between the two
+ends of each pipeline group: the same other coordinates, so the same vocabulary rows.
+
+What each axis sends per step is derived in axis_messages(), which the tests hold the log to
+and bench/plan_3d.py uses to predict every layout of a cluster.
+
+The step: the data rank's rows (dp_replicate x dp_shard of them; the cp ranks of one
+sequence take its positions) are cut into m micro-batches for any of pipeline_parallel's
+schedules, each stage running tensor parallel's pieces on its tp group, its attention on
+the cp ring. Then the tie's sum, dp_shard's reduce-scatter of each unit's gradient, the
+average over cp and dp_replicate, and the clip (squared norms over dp_shard, tp and pp).
+
+Sharded data parallel in a pipeline. A stage runs each unit (a block; the stage's ends)
+m times a step, forwards and backwards interleaved by the schedule, so a ZeRO-3 unit is
+all-gathered just before its first forward of the step and freed once the last backward
+is done (torchtitan's reshard_after_forward=False for pipelined FSDP): one all-gather and
+one reduce-scatter a step, not fsdp.py's 3 a micro-batch. ZeRO-1 and 2 keep the full
+weights between steps (all-gathered after the update); ZeRO-1 keeps the full gradient too.
+A unit's gathers are float32: the stage's modules hold float32 weights that autocast casts.
+
+Flags: --pp, --dp_replicate (--dp is its old name; 0: the rest), --dp_shard, --cp, --tp;
+--zero_stage as fsdp.py's; --layout (zigzag, contiguous) as context_parallel.py's;
+--schedule, --n_micro (0: 2·pp with a pipeline, 1 without), --virtual_stages as
+pipeline_parallel.py's (zb with --tp=1 --cp=1: its W walks backward again, which would
+repeat tensor parallel's all-reduces and the ring); --sequence_parallel as
+tensor_parallel.py's; --bucket_mb and --overlap as ddp.py's.
+"""
+from collections import namedtuple
+from functools import partial
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import collectives as C
+import context_parallel as CP
+import ddp as DDP
+import model as M
+import pipeline_parallel as PP
+import tensor_parallel as TP
+
+DEFAULTS = dict(M.TRAIN_DEFAULTS, pp=1, dp_replicate=0, dp=0, dp_shard=1, cp=1, tp=1, zero_stage=3,
+                layout="zigzag", schedule="1f1b", n_micro=0, virtual_stages=2, sequence_parallel=False,
+                bucket_mb=25.0, overlap=True)
+Mesh = namedtuple("Mesh", "pp dp_replicate dp_shard cp tp")  # outermost to innermost
+AXES = Mesh._fields
+CREATED = AXES[::-1]  # the order every rank creates the groups in: innermost first
+
+# -----------------------------------------------------------------------------
+# the mesh
+
+
+def coords(rank, mesh):
+    """-> Mesh of this rank's coordinate on each axis: tp innermost, pp outermost."""
+    out = []
+    for n in reversed(mesh):
+        out.append(rank % n)
+        rank //= n
+    return Mesh(*reversed(out))
+
+
+def rank_of(c, mesh):
+    r = 0
+    for x, n in zip(c, mesh):
+        r = r * n + x
+    return r
+
+
+def world_of(mesh):
+    out = 1
+    for n in mesh:
+        out *= n
+    return out
+
+
+def mesh_groups(mesh):
+    """Every group of each axis, as lists of global ranks, in the order they are created:
+    the ranks that differ only in that axis' coordinate, one group per rank at coordinate 0."""
+    out = {}
+    for axis in CREATED:
+        out[axis] = [[rank_of(c._replace(**{axis: i}), mesh) for i in range(getattr(mesh, axis))]
+                     for c in map(partial(coords, mesh=mesh), range(world_of(mesh))) if getattr(c, axis) == 0]
+    return out
+
+
+def make_groups(rank, mesh):
+    """This rank's group on each axis. Every rank calls new_group for every group of every
+    axis, in the same order (torch.distributed numbers groups by creation; on NCCL each
+    creation is a collective over the world). An axis of size 1 still gets a group, of
+    this rank alone: None would mean the whole world to the pieces below."""
+    mine = {}
+    for axis, groups in mesh_groups(mesh).items():
+        for ranks in groups:
+            group = C.new_group(ranks)
+            if rank in ranks:
+                mine[axis] = group
+    return {a: mine[a] for a in AXES}
+
+
+def print_mesh(groups, mesh):
+    """Rank 0 prints every rank's coordinates and groups, as the groups themselves report
+    them (gathered, untracked), one line a rank."""
+    me = coords(C.get_rank(), mesh)._asdict()
+    for axis in AXES:
+        me.update({f"{axis}_{i}": r for i, r in enumerate(C.group_ranks(groups[axis]))})
+    rows = C.gather_stats(me)
+    if rows is None:
+        return
+    strides = [world_of(mesh[i + 1:]) for i in range(len(AXES))]
+    print("mesh: rank = " + " + ".join(f"{a}_rank*{s}" for a, s in zip(AXES, strides) if s > 1) + " + tp_rank")
+    for r in range(len(rows["pp"])):
+        if r == 16 and len(rows["pp"]) > 20:
+            print(f"  ... {len(rows['pp']) - 16} more")
+            break
+        group = {a: [int(rows[f"{a}_{i}"][r]) for i in range(getattr(mesh, a))] for a in AXES}
+        print(f"  rank {r:4d} ({', '.join(AXES)}) = ({', '.join(str(int(rows[a][r])) for a in AXES)})  "
+              + "  ".join(f"{a} group {group[a]}" for a in CREATED))
+
+# -----------------------------------------------------------------------------
+# the traffic, in code: shared with bench/plan_3d.py
+
+
+def stage_params(config, tp, pp, stage):
+    """(sharded, replicated): the parameters a rank of `stage` holds, in elements. Sharded:
+    its 1/tp of every matrix tensor parallelism splits (and the tied matrix's copy on a
+    last stage); replicated: LayerNorms, row-parallel biases, the position embedding."""
+    h, bias = config.n_embd, int(config.bias)
+    n_blocks = len(PP.stage_layers(config.n_layer, pp, stage))
+    sharded = n_blocks * (12 * h * h + 7 * h * bias)     # c_attn, c_fc, the two c_proj weights
+    replicated = n_blocks * (2 * h + 4 * h * bias)        # ln_1, ln_2, the two c_proj biases
+    first, last = stage == 0, stage == pp - 1
+    sharded += config.vocab_size * h * (first + (last and not first))  # wte, or its copy as the head
+    replicated += config.block_size * h * first + (h + h * bias) * last  # wpe; ln_f
+    return sharded // tp, replicated
+
+
+def unit_sizes(config, tp, pp, stage):
+    """The elements of each ZeRO unit of `stage` on one tp rank: its ends (embeddings on the
+    first stage, final norm and the head's copy on the last; none in the middle), then its blocks."""
+    h, bias = config.n_embd, int(config.bias)
+    first, last = stage == 0, stage == pp - 1
+    ends = (config.vocab_size * h // tp + config.block_size * h) * first + (h + h * bias) * last
+    ends += config.vocab_size * h // tp * (last and not first)
+    block = (12 * h * h + 7 * h * bias) // tp + 2 * h + 4 * h * bias
+    return [ends] * (first or last) + [block] * len(PP.stage_layers(config.n_layer, pp, stage))
+
+
+Message = namedtuple("Message", "axis stage what op n nbytes count")
+
+
+def axis_messages(config, cfg, mesh):
+    """Every message of one training step: Message(axis, stage, what, op, n, nbytes, count):
+    each group of `axis` on pipeline `stage` (None: the pipeline groups, which span the
+    stages) sends `count` of op ("all_reduce"; "rs_ag", a reduce-scatter and an all-gather
+    of nbytes; "all_gather", "reduce_scatter" of nbytes in all; "p2p", one message) among its
+    n ranks. Activations travel in the compute dtype inside tensor parallel regions and the
+    ring, float32 across a stage boundary (pipeline_parallel.BOUNDARY_DTYPE) and in the
+    embedding's region; gradients, weights and norms in float32."""
+    pp, R, S, cp, tp = mesh
+    d = 2 if cfg.dtype == "bfloat16" else 4
+    m = cfg.n_micro
+    v = PP.virtual_stages(cfg)  # interleaved: p·v-1 chunk boundaries
+    b, s, h, V = cfg.batch_size // (R * S * m), config.block_size // cp, config.n_embd, config.vocab_size
+    sp, clip = cfg.sequence_parallel, bool(cfg.grad_clip)
+    region = "rs_ag" if sp else "all_reduce"  # f and g: the same bytes either way
+    kv = 2 * b * s * h // tp  # K and V of one rank's positions and heads
+    out = []
+    for k in range(pp):
+        first, last = k == 0, k == pp - 1
+        n_blocks = len(PP.stage_layers(config.n_layer, pp, k))
+        sharded, replicated = stage_params(config, tp, pp, k)
+        held = sum(-(-n // S) for n in unit_sizes(config, tp, pp, k)) if S > 1 else sharded + replicated
+        ring = m * n_blocks * cp * (cp - 1)  # every rank of the ring, every hop, every block, every micro-batch
+        out += [Message("tp", k, "blocks, head", region, tp, b * s * h * d, m * (4 * n_blocks + last)),
+                Message("tp", k, "embedding", region, tp, b * s * h * 4, m * first),
+                Message("tp", k, "loss", "all_reduce", tp, b * s * 4, 3 * m * last),
+                Message("tp", k, "norm", "all_reduce", tp, 4, clip),
+                Message("tp", k, "replicas", "all_reduce", tp, 4 * replicated, sp),  # sequence parallel's
+                Message("cp", k, "k, v", "p2p", cp, kv * d, 2 * ring),  # forward, and again backward
+                Message("cp", k, "dk, dv", "p2p", cp, kv * 4, ring),
+                Message("cp", k, "gradients", "all_reduce", cp, 4 * held, 1),
+                Message("dp_shard", k, "weights", "all_gather", S, 4 * S * held, 1),
+                Message("dp_shard", k, "gradients", "reduce_scatter", S, 4 * S * held, 1),
+                Message("dp_shard", k, "norm", "all_reduce", S, 4, clip),
+                Message("dp_replicate", k, "gradients", "all_reduce", R, 4 * held, 1)]
+    act = b * (s // tp if sp else s) * h * PP.BOUNDARY_DTYPE.itemsize
+    out += [Message("pp", None, "activations", "p2p", pp, act, 2 * (pp * v - 1) * m),  # and their gradients
+            Message("pp", None, "tie", "p2p", pp, V // tp * h * 4, 2 * (pp > 1)),  # each end its half
+            Message("pp", None, "norm", "all_reduce", pp, 4, clip)]
+    return [msg for msg in out if msg.count and msg.n > 1]
+
+
+def group_bytes(op, n, nbytes):
+    """Bytes the n ranks of a group send in all for one op: a ring or a tree all-reduce
+    2(N-1)·S, a reduce-scatter plus an all-gather (N-1)·S each, a ring all-gather or
+    reduce-scatter of S in all (N-1)·S (each rank's S/N passes N-1 ranks), a message S."""
+    return nbytes if op == "p2p" else (n - 1) * nbytes * (1 if op in ("all_gather", "reduce_scatter") else 2)
+
+
+def axis_bytes(config, cfg, mesh, stage=None):
+    """{axis: bytes per step}. stage=None: sent by every rank of the world on that axis;
+    stage=k: sent by the ranks of one group of the axis that a rank of stage k is in (its
+    tp, cp and data groups live on stage k; its pp group spans the stages).
+
+    What each axis sends per step (per group, summed over its ranks; collectives.py's ring
+    and tree all-reduces both send 2(N-1)·S in all; B the global batch, m = --n_micro,
+    b = B/(R·S·m), s the sequence a cp rank holds (block_size/cp), h the width, V the
+    vocabulary, L_k the blocks of stage k, d the compute dtype's bytes, Ψ_k the elements a
+    rank of stage k holds (stage_params), P_k the same in ZeRO units padded to S·⌈n/S⌉):
+      tp (stage k)  m · (4·L_k + [first] + [last]) all-reduces of b·s·h (d; the embedding's 4),
+                    + [last] m·3 all-reduces of b·s floats (the loss) + 1 float (the norm)
+                    (--sequence_parallel: each all-reduce a reduce-scatter + all-gather, the
+                    same bytes, + the replicated parameters' gradients once)
+      cp (stage k)  m·L_k·cp·(cp-1) hops of K, V (2·b·s·h/tp, d bytes) forward, as many
+                    backward, as many of dK, dV (4 bytes); + one all-reduce of the gradients
+                    the rank holds (Ψ_k floats, or its P_k/S under dp_shard)
+      dp_shard      (S-1)·4P_k for the all-gather of the stage's units, as much for the
+                    reduce-scatter of their gradients, + 1 float (the norm)
+      dp_replicate  one all-reduce of the gradients the rank holds, float32 (Ψ_k or P_k/S)
+      pp            2·(pp·v-1)·m activations of b·s·h floats (b·s·h/tp with sequence parallel:
+                    each tp rank sends its own positions), + 2·V/tp·h floats (the tie) + 1 float
+    bench/plan_3d.py uses this same function to predict the step time of a layout on a
+    cluster. Without --sequence_parallel every tp rank sends the whole activation across a
+    boundary: tp copies of the same bytes (Megatron's scatter/gather optimisation sends 1/tp
+    and all-gathers after); with it, each sends only its own positions.
+    """
+    world = world_of(mesh)
+    out = dict.fromkeys(AXES, 0)
+    for msg in axis_messages(config, cfg, mesh):
+        if stage is None or msg.stage in (None, stage):
+            groups = 1 if stage is not None else world // msg.n // (1 if msg.axis == "pp" else mesh.pp)
+            out[msg.axis] += msg.count * group_bytes(msg.op, msg.n, msg.nbytes) * groups
+    return out
+
+
+def traffic_per_rank(config, cfg, world):
+    """Bytes a rank sends per step, on average over the world."""
+    return sum(axis_bytes(config, cfg, layout(cfg, config, world, check=False)).values()) / world
+
+
+def state_per_rank(config, cfg, mesh, stage, shard_rank):
+    """Bytes of parameters, gradients and Adam's state on a rank of `stage` at dp_shard
+    coordinate shard_rank: what state_bytes() measures. Without dp_shard 16 bytes an element
+    (float32 weight, gradient, Adam's m and v). With it, fsdp.state_per_rank's rule on this
+    stage's units: each of n elements padded to P = S·⌈n/S⌉, the rank's shard of S' = P/S
+    holding R' real elements (Adam's moments only for those):
+      ZeRO-3   4S' + 4S' + 8R'     ZeRO-2   4P + 4S' + 8R'     ZeRO-1   4P + 4P + 8R'"""
+    S = mesh.dp_shard
+    if S == 1:
+        return 16 * sum(stage_params(config, mesh.tp, mesh.pp, stage))
+    total = 0
+    for n in unit_sizes(config, mesh.tp, mesh.pp, stage):
+        size = -(-n // S)
+        real = min(max(n - shard_rank * size, 0), size)
+        total += {3: 8 * size, 2: 4 * S * size + 4 * size, 1: 8 * S * size}[cfg.zero_stage] + 8 * real
+    return total
+
+# -----------------------------------------------------------------------------
+# a pipeline stage made of tensor parallel pieces
+
+
+class Stage(nn.Module):
+    """Stage `stage` of `n_stages` (pipeline_parallel.Stage's blocks), each unit built
+    whole from the seed and cut to this rank's tensor parallel slice (tensor_parallel's
+    build), under model.GPT's parameter names. The last stage's head is its own copy of
+    this tp rank's slice of the tied matrix (lm_head.weight); one stage: the same one.
+    pos: this cp rank's global positions (None: all of them); ring: its attention's ring.
+    gather(unit): called before a unit ("ends", or a block's index) computes (ZeRO-3)."""
+
+    def __init__(self, config, stage, n_stages, seed, group, sp, n_virtual=1, pos=None, ring=None):
+        super().__init__()
+        self.config, self.group, self.sp, self.pos, self.gather = config, group, sp, pos, lambda unit: None
+        self.first, self.last = stage == 0, stage == n_stages - 1
+        self.n_chunks = n_stages * n_virtual  # pipeline_parallel.Stage's chunks: r, r+p, ...
+        self.chunks = {c: PP.stage_layers(config.n_layer, self.n_chunks, c)
+                       for c in range(stage, self.n_chunks, n_stages)}
+        self.transformer = nn.ModuleDict(dict(h=nn.ModuleDict(
+            {str(i): TP.parallel_block(M.build_unit(config, i, seed), group, sp) for c in self.chunks
+             for i in self.chunks[c]})))
+        if ring is not None:  # context parallel: model.py's attend() hook, as context_parallel.use_ring
+            for block in self.transformer["h"].values():
+                block.attn.attend = partial(CP.ring_attention, ring=ring)
+        if self.first:
+            emb = M.build_unit(config, "embed", seed)
+            self.transformer["wte"] = TP.VocabParallelEmbedding(emb.wte, group, sp)
+            self.transformer["wpe"] = emb.wpe
+        if self.last:
+            self.transformer["ln_f"] = M.build_unit(config, "ln_f", seed)
+            if not self.first:
+                self.lm_head = TP.VocabParallelEmbedding(M.build_unit(config, "embed", seed).wte, group, sp)
+
+    def head(self):
+        return self.transformer["wte"] if self.first else self.lm_head
+
+    def tied(self):
+        """This stage's copy of the tied matrix (its tp slice), None in the middle."""
+        return self.head().weight if self.first or self.last else None
+
+    def forward(self, x, targets=None, chunk=None):
+        """Token ids (b, s) on the first stage, else the previous stage's (s, b, h) (with
+        sequence parallelism (s/tp, b, h)); -> the same for the next stage, or the loss."""
+        t, g, sp, chunk = self.transformer, self.group, self.sp, next(iter(self.chunks)) if chunk is None else chunk
+        if chunk == 0 or chunk == self.n_chunks - 1:
+            self.gather("ends")
+        if chunk == 0 and self.pos is None:
+            x = TP.embed_forward(t["wte"], t["wpe"], x, g, sp, self.config.dropout, self.training)
+        elif chunk == 0:  # a cp rank's positions: the GLOBAL ones, as context_parallel.forward
+            x = F.dropout(t["wte"](x.t()) + t["wpe"](self.pos)[:, None], self.config.dropout, self.training)
+        for i in self.chunks[chunk]:
+            self.gather(i)
+            x = TP.block_forward(t["h"][str(i)], x)
+        return TP.head_forward(t["ln_f"], self.head(), x, targets, g, sp) if chunk == self.n_chunks - 1 else x
+
+    def units(self):
+        """[(key, [(name, parameter)])]: the stage's ends (if any), then each block."""
+        named = list(self.named_parameters())
+        ends = [(n, p) for n, p in named if not n.startswith("transformer.h.")]
+        blocks = [(int(i), [(n, p) for n, p in named if n.startswith(f"transformer.h.{i}.")])
+                  for i in self.transformer["h"]]
+        return ([("ends", ends)] if ends else []) + blocks
+
+
+class Executor(PP.Executor):
+    """pipeline_parallel's executor, which also arms the dp buckets' gradient hooks (None:
+    none) for the last micro-batch's weight gradients only (its backward, or its W under
+    --schedule=zb): the gradients are complete then, and the all-reduce of each bucket starts
+    as soon as they have filled it (ddp.py's overlap); earlier micro-batches only accumulate."""
+
+    def __init__(self, *args, buckets=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.buckets = buckets
+
+    def backward(self, a, *args):
+        if self.buckets is not None:
+            self.buckets.sync = a.micro == self.n_micro - 1
+        super().backward(a, *args)
+
+    def weight_grad(self, a, *args):
+        if self.buckets is not None:
+            self.buckets.sync = a.micro == self.n_micro - 1
+        super().weight_grad(a, *args)
+
+# -----------------------------------------------------------------------------
+# dp_shard: a stage's units sharded over the shard group (fsdp.py's ZeRO, on module parameters)
+
+
+class ShardedUnit:
+    """One unit of a stage, its parameters laid end to end in one flat float32 buffer padded
+    to a multiple of the shard group's S ranks (fsdp.Layout's rule); rank r keeps slice r,
+    its shard, with its gradient and Adam's state. The module's parameters are views into
+    the full buffer, which ZeRO-3 allocates only while the unit is gathered (the storage
+    shrinks to nothing when freed, as PyTorch's FSDP frees it, views and all). ZeRO-1/2 keep
+    it, the shard a slice of it; ZeRO-1 keeps the full gradient too, the .grads its views."""
+
+    def __init__(self, named, group, zero_stage, device):
+        self.names, self.params = [n for n, _ in named], [p for _, p in named]
+        self.group, self.zero = group, zero_stage
+        n, world = sum(p.numel() for p in self.params), C.get_world_size(group)
+        self.size = -(-n // world)
+        self.start = C.get_rank(group) * self.size
+        self.full = torch.zeros(self.size * world, device=device)
+        self.offsets, o = [], 0
+        for p in self.params:
+            self.full[o:o + p.numel()] = p.detach().reshape(-1)
+            p.data = self.full[o:o + p.numel()].view_as(p)
+            self.offsets.append(o)
+            o += p.numel()
+        self.nbytes = self.full.untyped_storage().nbytes()
+        mine = slice(self.start, self.start + self.size)
+        self.shard = self.full[mine] if zero_stage < 3 else self.full[mine].clone()
+        self.full_grad = torch.zeros_like(self.full) if zero_stage == 1 else None
+        self.grad = self.full_grad[mine] if zero_stage == 1 else torch.zeros(self.size, device=device)
+        self.gathered, self.held = True, []  # held: (parameter, its piece here, its offset, from, to)
+        if zero_stage == 3:
+            self.free()
+
+    def gather(self):
+        """All-gather the shards into the full buffer (ZeRO-3: allocated again first)."""
+        if self.zero == 3 and self.gathered:
+            return
+        self.full.untyped_storage().resize_(self.nbytes)
+        C.all_gather(self.full, self.shard, group=self.group)
+        self.gathered = True
+
+    def free(self):
+        self.full.untyped_storage().resize_(0)
+        self.gathered = False
+
+    def zero_grad(self):
+        """Before a step: ZeRO-1's full gradient zeroed and handed to autograd as views (it
+        accumulates into them in place); ZeRO-2/3: none, autograd allocates."""
+        if self.zero == 1:
+            self.full_grad.zero_()
+            for p, o in zip(self.params, self.offsets):
+                p.grad = self.full_grad[o:o + p.numel()].view_as(p)
+
+    def reduce_scatter(self):
+        """The unit's full gradient (every micro-batch's, summed) averaged over the shard
+        group into this rank's gradient shard; ZeRO-2/3 then drop the full gradient."""
+        flat = self.full_grad if self.zero == 1 else torch.cat(
+            [p.grad.reshape(-1) for p in self.params] + [self.full.new_zeros(self.full.numel() - self.offsets[-1]
+                                                                              - self.params[-1].numel())])
+        out = torch.empty_like(self.grad)
+        C.reduce_scatter(out, flat, op="avg", group=self.group)
+        self.grad.copy_(out)
+        if self.zero > 1:
+            for p in self.params:
+                p.grad = None
+
+    def pieces(self, counted):
+        """[(GPT's name, view of the shard, counted)] for the piece of each parameter in this
+        rank's shard (fsdp.Unit.optimizer_params); .grad the gradient shard's view. counted(p):
+        whether its squared norm counts on this rank (a tp replica once, the tied copy never)."""
+        out = []
+        for name, p, o in zip(self.names, self.params, self.offsets):
+            lo, hi = max(o, self.start), min(o + p.numel(), self.start + self.size)
+            if lo >= hi:
+                continue  # this parameter lies in other ranks' shards
+            piece, g = self.shard[lo - self.start:hi - self.start], self.grad[lo - self.start:hi - self.start]
+            if p.dim() >= 2:  # nanoGPT's decay rule looks at the shape: a piece of a matrix is a matrix
+                piece, g = piece.view(1, -1), g.view(1, -1)
+            piece.grad = g
+            out.append((name, piece, counted(p)))
+            self.held.append((p, piece, o, lo - o, hi - o))
+        return out
+
+
+class FullState:
+    """What model.py's checkpoints see of the sharded optimizer: its param_groups (the
+    learning rate), and a `state` keyed by the stage's full (tp-sliced) parameters, so a
+    checkpoint holds global tensors that any layout loads: unshard() fills it before a
+    save; restore() fills it from a checkpoint, and reshard() hands it to the shards."""
+
+    def __init__(self, optimizer):
+        self.optimizer, self.state = optimizer, {}
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+
+@torch.no_grad()
+def unshard(units, full_state):
+    """Every unit's full weights (ZeRO-3: gathered) and Adam's moments all-gathered over the
+    shard group into full-parameter tensors, for a checkpoint. Untracked: not training traffic."""
+    optimizer = full_state.optimizer
+    with C.untracked():
+        for u in units:
+            u.gather()
+            moments = {}
+            for m in M.MOMENTS:
+                flat = torch.zeros(u.size, device=u.shard.device)
+                for _, piece, o, lo, hi in u.held:
+                    flat[o + lo - u.start:o + hi - u.start] = optimizer.state[piece][m].reshape(-1)
+                moments[m] = torch.empty_like(u.full)
+                C.all_gather(moments[m], flat, group=u.group)
+            for p, o in zip(u.params, u.offsets):
+                full_state.state[p] = {m: moments[m][o:o + p.numel()].view_as(p) for m in M.MOMENTS}
+
+
+@torch.no_grad()
+def reshard(units, full_state, optimizer):
+    """After restore() loaded the full parameters and their moments: each rank keeps its shard
+    of both (and the step count), as the run had them when it saved."""
+    for u in units:
+        u.shard.copy_(u.full[u.start:u.start + u.size])
+        for p, piece, _, lo, hi in u.held:
+            state = full_state.state.get(p)
+            if state:
+                optimizer.state[piece] = dict(step=state["step"].clone(), **{
+                    m: state[m].reshape(-1)[lo:hi].reshape(piece.shape).clone() for m in M.MOMENTS})
+
+
+def average(tensors, group):
+    """Average tensors over a group, all packed in one float32 message."""
+    if C.get_world_size(group) == 1 or not tensors:
+        return
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    C.all_reduce(flat, op="avg", group=group)
+    for t, g in zip(tensors, flat.split([t.numel() for t in tensors])):
+        t.copy_(g.view_as(t))
+
+
+def checkpoint_entries(stage, tp_group, writer):
+    """tensor_parallel's entries (global names, tp slices, replicas written by tp rank 0),
+    written by the first rank of the data and context axes only; the last stage's tied copy
+    is transformer.wte.weight again, loaded but never written (pipeline_parallel's rule)."""
+    return [("transformer.wte.weight", p, index, False) if name == "lm_head.weight" else
+            (name, p, index, write and writer)
+            for name, p, index, write in TP.checkpoint_entries(stage, tp_group)]
+
+
+def counted_once(stage, tp_group):
+    """Whether a parameter's squared gradient norm counts on this rank: each tp slice, the
+    replicas on tp rank 0 only, never the last stage's tied copy."""
+    copy = stage.tied() if stage.last and not stage.first else None
+    first = C.get_rank(tp_group) == 0
+    return lambda p: p is not copy and (hasattr(p, "tp_index") or first)
+
+
+def clip_global_norm(stage, max_norm, tp_group, pp_group):
+    """The norm of the whole model's gradient, each parameter once: tensor_parallel's
+    squared norm over the tp group (shards, and replicas on tp rank 0), without the last
+    stage's tied copy; summed over tp, then over pp (one float each); never over dp or cp."""
+    if not max_norm:
+        return 0.0
+    sharded, replicated = TP.split_params(stage)
+    copy = stage.tied() if stage.last and not stage.first else None
+    sq = TP.grad_sq_norm([p for p in sharded if p is not copy], replicated, tp_group)
+    return M.clip_by_global_norm(sq, [p.grad for p in sharded + replicated], max_norm, [tp_group, pp_group])
+
+
+def clip_shards(pieces, max_norm, groups):
+    """The same norm from the gradient shards: every element of a unit lies in one rank's
+    shard of the dp_shard group, so its squares are summed over dp_shard, tp and pp."""
+    if not max_norm:
+        return 0.0
+    sq = torch.stack([p.grad.pow(2).sum() if counted else p.grad.new_zeros(()) for _, p, counted in pieces]).sum()
+    return M.clip_by_global_norm(sq, [p.grad for _, p, _ in pieces], max_norm, groups)
+
+
+def state_bytes(units, stage, optimizer):
+    """Parameters, gradients and Adam's state resident on this rank, each storage counted once
+    (a shard that is a slice of the full weights is no copy; freed weights hold nothing)."""
+    kept = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+            for t in [p for p in stage.parameters()] + [p.grad for p in stage.parameters() if p.grad is not None]
+            + [t for u in units for t in (u.shard, u.grad, u.full_grad) if t is not None]}
+    return sum(kept.values()) + M.optimizer_state_bytes(optimizer)
+
+# -----------------------------------------------------------------------------
+# the run
+
+
+def layout(cfg, config, world, check=True):
+    """-> the Mesh, or (check) one line and exit on every rank (before any message)."""
+    pp, S, cp, tp = cfg.pp, cfg.dp_shard, cfg.cp, cfg.tp
+    if cfg.dp and cfg.dp_replicate and cfg.dp != cfg.dp_replicate:
+        M.die(f"--dp is --dp_replicate's old name: --dp={cfg.dp} and --dp_replicate={cfg.dp_replicate} disagree")
+    R = cfg.dp_replicate or cfg.dp
+    rest = pp * S * cp * tp
+    if not R and world % rest:
+        M.die(f"--pp={pp} x --dp_shard={S} x --cp={cp} x --tp={tp} = {rest} ranks does not divide the world "
+              f"size {world}")
+    mesh = Mesh(pp, R or world // rest, S, cp, tp)
+    if not check:
+        return mesh
+    if world_of(mesh) != world:
+        M.die(" x ".join(f"--{a}={n}" for a, n in mesh._asdict().items()) + f" = {world_of(mesh)} ranks, "
+              f"but the world has {world}: their product must equal the world size")
+    if config.n_head % tp or config.vocab_size % tp:
+        M.die(f"--tp={tp} must divide the {config.n_head} heads and the padded vocabulary ({config.vocab_size})")
+    if cfg.sequence_parallel and config.block_size % tp:
+        M.die(f"--sequence_parallel needs --block_size ({config.block_size}) divisible by --tp={tp}")
+    parts = cp * (2 if cfg.layout == "zigzag" else 1)
+    if config.block_size % parts:
+        M.die(f"--cp={cp} needs --block_size ({config.block_size}) divisible into {parts} equal chunks "
+              f"({cfg.layout} layout{', two chunks a rank' if cfg.layout == 'zigzag' else ''})")
+    if pp > config.n_layer:
+        M.die(f"--pp={pp} stages but the model has {config.n_layer} blocks: each stage needs at least one")
+    if cfg.schedule == "zb" and (tp > 1 or cp > 1):  # W walks backward again: tp's and the ring's messages twice
+        M.die("--schedule=zb needs --tp=1 and --cp=1 here: its W re-runs the backward, tensor parallel's "
+              "all-reduces and the ring with it")
+    v = PP.virtual_stages(cfg)
+    if cfg.schedule == "interleaved" and (v < 1 or cfg.n_micro % pp or pp * v > config.n_layer):
+        M.die(f"--schedule=interleaved needs --n_micro ({cfg.n_micro}) divisible by --pp={pp} and --pp x "
+              f"--virtual_stages={v} chunks of at least one of the {config.n_layer} blocks each")
+    dp = mesh.dp_replicate * S
+    if cfg.batch_size % (dp * cfg.n_micro):
+        M.die(f"--batch_size={cfg.batch_size} does not divide into {dp} data parallel ranks "
+              f"(--dp_replicate x --dp_shard) x {cfg.n_micro} micro-batches")
+    return mesh
+
+
+def main(argv=None):
+    cfg = M.parse_args(DEFAULTS, argv, __doc__)
+    if min(cfg.tp, cfg.pp, cfg.cp, cfg.dp_shard) < 1 or min(cfg.dp, cfg.dp_replicate) < 0:
+        M.die("--pp, --dp_shard, --cp and --tp must be at least 1, --dp_replicate (--dp) at least 0 (0: the rest)")
+    if cfg.schedule not in PP.SCHEDULES:
+        M.die(f"--schedule takes {', '.join(PP.SCHEDULES)}, not {cfg.schedule!r}")
+    if cfg.layout not in CP.LAYOUTS:
+        M.die(f"--layout takes {' or '.join(CP.LAYOUTS)}, not {cfg.layout!r}")
+    if cfg.zero_stage not in (1, 2, 3):
+        M.die(f"--zero_stage takes 1, 2 or 3, not {cfg.zero_stage}")
+    cfg.n_micro = cfg.n_micro or (2 * cfg.pp if cfg.pp > 1 else 1)  # a pipeline needs m >= pp to fill
+    if cfg.n_micro < 1 or cfg.bucket_mb <= 0:
+        M.die("--n_micro must be at least 1 and --bucket_mb positive")
+    if cfg.cp > 1 and (cfg.sequence_parallel or cfg.dropout):
+        M.die("--cp > 1 needs --sequence_parallel=False and --dropout=0: the ring holds whole sequences' "
+              "chunks, and its backward recomputes the attention weights without forward's masks")
+    if cfg.dp_shard > 1 and cfg.compile:
+        M.die("--compile with --dp_shard > 1: not yet (the units' weights come and go between steps)")
+
+    run = M.start(cfg, "parallel_nd")
+    rank, world, device, config = run.rank, run.world, run.device, run.config
+    mesh = layout(cfg, config, world)
+    v = PP.virtual_stages(cfg)  # the chunks a stage holds
+    sp, n_micro, S, R = cfg.sequence_parallel, cfg.n_micro, mesh.dp_shard, mesh.dp_replicate
+    me = coords(rank, mesh)
+    groups = make_groups(rank, mesh)
+    tp_group, cp_group, shard_group, rep_group, pp_group = (groups[a] for a in ("tp", "cp", "dp_shard",
+                                                                               "dp_replicate", "pp"))
+    last_stage = [r for r in range(world) if coords(r, mesh).pp == mesh.pp - 1]
+    print_mesh(groups, mesh)
+
+    ring = CP.Ring(cp_group, cfg.layout) if mesh.cp > 1 else None
+    pos = CP.positions(config.block_size, me.cp, mesh.cp, cfg.layout, device) if ring else None
+    stage = Stage(config, me.pp, mesh.pp, cfg.seed, tp_group, sp, v, pos, ring).to(device)
+    params = list(stage.parameters())
+    sharded, replicated = TP.split_params(stage)
+    units, buckets = [], None
+    if S > 1:  # dp_shard: fsdp's units on this stage's tp slices; the optimizer steps on the shards
+        units = [ShardedUnit(named, shard_group, cfg.zero_stage, device) for _, named in stage.units()]
+        by_key = dict(zip([key for key, _ in stage.units()], units))
+        if cfg.zero_stage == 3:
+            stage.gather = lambda key: by_key[key].gather()  # just in time, once a step
+        pieces = [piece for u in units for piece in u.pieces(counted_once(stage, tp_group))]
+        optimizer = M.make_optimizer([(name, p) for name, p, _ in pieces], cfg, device)
+    else:  # the dp_replicate all-reduce: ddp.py's buckets on this rank's parameters
+        buckets = DDP.GradBuckets(params, cfg.bucket_mb, cfg.overlap, rep_group) if R > 1 else None
+        optimizer = M.make_optimizer(stage.named_parameters(), cfg, device)
+    run.layout = dict(mesh._asdict(), zero_stage=cfg.zero_stage, layout=cfg.layout, schedule=cfg.schedule,
+                      n_micro=n_micro, sequence_parallel=sp)
+    def free_units():  # ZeRO-3: a unit's full weights live only from its first use in a step to the step's end
+        if cfg.zero_stage == 3:
+            for u in units:
+                u.free()
+
+    writer = me.dp_replicate == me.dp_shard == me.cp == 0
+    entries = checkpoint_entries(stage, tp_group, writer)
+    if S > 1:  # the checkpoint holds full tensors: load them into the full weights, then keep the shards
+        full_state = FullState(optimizer)
+        with C.untracked():
+            for u in units:
+                u.gather()  # ZeRO-3: the full weights for now, to load into (or to keep, with nothing to load)
+        M.restore(run, entries, full_state)
+        reshard(units, full_state, optimizer)
+        full_state.state.clear()
+        free_units()
+    else:
+        M.restore(run, entries, optimizer)  # both tied copies are loaded
+    b = cfg.batch_size // (R * S * n_micro)
+    s = config.block_size // mesh.cp
+    act_shape = (s // mesh.tp if sp else s, b, config.n_embd)
+    executor = Executor(stage, act_shape, n_micro, run.autocast, torch.compile(stage) if cfg.compile else None,
+                        pp_group, buckets=buckets if cfg.overlap else None)
+    train_plan = PP.plan(cfg.schedule, mesh.pp, n_micro, me.pp, v)
+    eval_plan = PP.plan(cfg.schedule, mesh.pp, n_micro, me.pp, v, train=False)
+    formula = {a: axis_bytes(config, cfg, mesh, stage=me.pp)[a] / n for a, n in mesh._asdict().items()}
+    if rank == 0:
+        print(f"parallel_nd: " + " x ".join(f"{a}={n}" for a, n in mesh._asdict().items()) + f" = {world} ranks"
+              f"{f', ZeRO-{cfg.zero_stage}' if S > 1 else ''}{f', {cfg.layout} ring' if ring else ''}"
+              f"{', sequence parallel' if sp else ''}, {M.param_count(config) / 1e6:.2f}M parameters, schedule "
+              f"{cfg.schedule}, {n_micro} micro-batches of {b} x {s} tokens per pipeline, bubble "
+              f"{PP.bubble(cfg.schedule, mesh.pp, n_micro, v):.1%}")
+
+    def rows(step, split):  # this data rank's rows of the global batch, its cp positions, in micro-batches
+        batch = partial(M.batch, run, step, split, n_micro=n_micro, dp_rank=me.dp_replicate * S + me.dp_shard,
+                        dp_size=R * S)
+        return batch if pos is None else lambda k: tuple(t[:, pos] for t in batch(k))
+
+    @torch.no_grad()
+    def evaluate():
+        stage.eval()
+        losses = []
+        with C.untracked():  # bookkeeping, not training traffic
+            for k in range(cfg.eval_iters):
+                losses += executor.run(eval_plan, rows(k, "val"), train=False)
+            free_units()
+            loss = torch.stack(losses).mean() if stage.last else torch.zeros((), device=device)
+            for group in (cp_group, shard_group, rep_group):  # equal shares of tokens
+                C.all_reduce(loss, op="avg", group=group)
+            C.broadcast(loss, src=C.group_ranks(pp_group)[-1], group=pp_group)  # only the last stage has it
+        stage.train()
+        return loss.item()
+
+    for it in range(run.start_iter, cfg.max_iters):
+        M.begin_iter(run, it, evaluate)
+        # ---------------------------------------------------------------- the training step
+        if buckets:
+            buckets.zero()
+            buckets.sync = not cfg.overlap
+        elif S > 1:
+            for u in units:
+                u.zero_grad()
+        else:
+            optimizer.zero_grad(set_to_none=True)
+        losses = executor.run(train_plan, rows(it, "train"))
+        if buckets:
+            buckets.reduce()             # dp_replicate: the average over the replicas (waits for the overlapped ones)
+        if sp:
+            TP.sum_replicated_grads(replicated, tp_group)  # tp: replicas saw only their positions
+        PP.sum_tied_grads(stage, pp_group)                   # pp: the tie, between the two ends
+        if S > 1:
+            for u in units:
+                u.reduce_scatter()       # dp_shard: each unit's gradient into this rank's shard
+            free_units()
+            grads = [u.grad for u in units]
+            average(grads, cp_group)     # cp: each rank saw its positions' share of the tokens
+            average(grads, rep_group)    # dp_replicate: HSDP's all-reduce of the shards
+            norm = clip_shards(pieces, cfg.grad_clip, [shard_group, tp_group, pp_group])
+        else:
+            average(buckets.buffers if buckets else [p.grad for p in params], cp_group)
+            norm = clip_global_norm(stage, cfg.grad_clip, tp_group, pp_group)
+        optimizer.step()
+        if S > 1 and cfg.zero_stage < 3:
+            for u in units:
+                u.gather()               # ZeRO-1/2: every rank needs the updated full weights again
+        # ---------------------------------------------------------------- end of the training step
+        if S > 1:
+            state = state_bytes(units, stage, optimizer)
+        else:
+            grads = buckets.buffers if buckets else [p.grad for p in params]
+            state = M.tensor_bytes(params) + M.tensor_bytes(grads) + M.optimizer_state_bytes(optimizer)
+        if S > 1 and M.checkpoint_due(cfg, it + 1):
+            unshard(units, full_state)  # the full weights and moments, for end_iter's checkpoint
+        M.end_iter(run, loss=torch.stack(losses).mean() if losses else 0.0, grad_norm=norm, state_bytes=state,
+                   loss_ranks=last_stage, axes=groups, **{f"formula_bytes_{a}": formula[a] for a in AXES},
+                   peak_micro=executor.peak_held, act_bytes=executor.peak_bytes)
+        free_units()
+    if S > 1 and cfg.save_path:
+        unshard(units, full_state)
+    return M.finish(run)
+
+
+if __name__ == "__main__":
+    M.main_guard(main)

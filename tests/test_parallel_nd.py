@@ -1,0 +1,281 @@
+"""parallel_nd.py: every axis on one mesh (pp x dp_replicate x dp_shard x cp x tp), against
+the one-process run.
+
+Three spawns, each one launch running many short runs, most of 3 steps against the
+one-process run of the same 3 steps (losses, validation, the final parameters). At 8 ranks
+the issue's mesh layouts: dp_shard 2 x tp 2 x pp 2; HSDP (dp_replicate 2 x dp_shard 2) x tp 2;
+dp_shard 2 x cp 2 x tp 2 (zigzag); pp 2 x cp 2 x dp_shard 2 (contiguous); then one bf16 run
+of pp 2 x cp 2 x tp 2 for its bytes. At 4 ranks: HSDP (dp_replicate 2 x dp_shard 2) for 20 steps (the
+schedule's whole warm-up and decay), every pair of the five axes once for 3 steps (ZeRO-1,
+ZeRO-2, bf16 and interleaved among them), exact resumes, the 8-rank checkpoint loaded by
+other layouts and strategies, and bad layouts. At 2 ranks
+(quick): dp_shard 2. Every run's bytes per axis are held to axis_bytes (per group and in
+all, nothing sent outside the axes), and its state to state_per_rank.
+"""
+import contextlib
+import io
+import os
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import model as M
+import parallel_nd as P
+import pipeline_parallel as PP
+from harness import spawn, assert_logs_match, assert_states_match
+from conftest import ROOT, VOCAB
+
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+import plan_3d  # noqa: E402
+
+BATCH, BLOCK = 24, 32  # conftest.TRAIN_ARGS
+
+
+def mesh_flags(pp=1, rep=1, shard=1, cp=1, tp=1, *extra):
+    return [f"--pp={pp}", f"--dp_replicate={rep}", f"--dp_shard={shard}", f"--cp={cp}", f"--tp={tp}", *extra]
+
+
+THREE = ["--max_iters=3", "--eval_interval=2", "--eval_iters=1"]  # validation at steps 0 and 2
+# name -> flags: 3 steps, compared with the one-process run of the same 3 (losses, validation, parameters)
+LAYOUTS8 = {"shard x tp x pp": mesh_flags(2, 1, 2, 1, 2), "hsdp x tp": mesh_flags(1, 2, 2, 1, 2),
+            "shard x cp x tp": mesh_flags(1, 1, 2, 2, 2, "--layout=zigzag"),
+            "pp x cp x shard": mesh_flags(2, 1, 2, 2, 1, "--layout=contiguous", "--schedule=gpipe")}
+BF16_8 = mesh_flags(2, 1, 1, 2, 2, "--dtype=bfloat16", "--sequence_parallel=False")
+LONG4 = mesh_flags(1, 2, 2)  # HSDP, 20 steps
+PAIRS4 = {  # every pair of the five axes, at 2 x 2, 3 steps each
+    "pp x rep": mesh_flags(2, 2, 1, 1, 1, "--n_micro=3"),
+    "pp x shard": mesh_flags(2, 1, 2, 1, 1, "--zero_stage=2", "--schedule=interleaved", "--n_micro=2"),
+    "pp x cp": mesh_flags(2, 1, 1, 2, 1),
+    "pp x tp": mesh_flags(2, 1, 1, 1, 2, "--sequence_parallel=True"),
+    "rep x shard": mesh_flags(1, 2, 2, 1, 1, "--zero_stage=1"),
+    "rep x cp": mesh_flags(1, 2, 1, 2, 1),
+    "rep x tp": mesh_flags(1, 2, 1, 1, 2, "--overlap=False"),
+    "shard x cp": mesh_flags(1, 1, 2, 2, 1, "--layout=contiguous", "--dtype=bfloat16"),
+    "shard x tp": mesh_flags(1, 1, 2, 1, 2),
+    "cp x tp": mesh_flags(1, 1, 1, 2, 2),
+}
+# exact resume at the same layout: ZeRO-3's shards and moments gathered into global tensors and
+# cut again; and without a shard axis, the replicas and both tied copies
+RESUMED = {"zero3": mesh_flags(2, 1, 2), "ddp": mesh_flags(2, 2, 1, 1, 1)}
+SAVED8 = "shard x tp x pp"  # its checkpoint (step 3) is loaded at 4 ranks by tp x pp, fsdp.py and ddp.py
+BAD = {  # flags -> the one line's text
+    ("--dp_shard=3",): "--pp=1 x --dp_shard=3 x --cp=1 x --tp=1 = 3 ranks does not divide the world size 4",
+    ("--dp_replicate=2", "--dp_shard=1", "--tp=1"): "= 2 ranks, but the world has 4",
+    ("--tp=4", "--dp_replicate=1", "--model=gpt2-xl"): "--tp=4 must divide the 25 heads",
+    ("--cp=4", "--block_size=20"): "--cp=4 needs --block_size (20) divisible into 8 equal chunks",
+    ("--cp=2", "--sequence_parallel=True"): "--cp > 1 needs --sequence_parallel=False",
+    ("--dp=2", "--dp_replicate=4"): "--dp is --dp_replicate's old name",
+}
+
+
+def _quiet(fn, argv):
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        return fn(argv), out.getvalue()
+
+
+def _bad(argv):
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            P.main(argv)
+            code = 0
+        except SystemExit as e:
+            code = e.code
+    return code, err.getvalue()
+
+
+def _run_all(rank, world, train_args, out, shared):
+    """Every run of one world size, in one process start. -> rank 0's {name: result}."""
+    results = {}
+
+    def run(name, flags, save=False):
+        path = os.path.join(out, f"{len(results)}.pt")
+        argv = train_args + flags + ([f"--save_path={path}"] if save else [])
+        results[name] = _quiet(P.main, argv) + (path if save else None, argv)
+
+    if world == 8:
+        for name, flags in LAYOUTS8.items():
+            run(name, flags + THREE + [f"--out_dir={shared}/ckpt8"] * (name == SAVED8), save=True)
+        run("bf16", BF16_8 + THREE)
+    if world == 4:
+        run("long", LONG4, save=True)
+        for name, flags in PAIRS4.items():
+            run(name, flags + THREE, save="bfloat16" not in " ".join(flags))
+        for name, flags in RESUMED.items():
+            steps = ["--max_iters=4", "--eval_interval=0"]
+            run(("first", name), flags + steps + [f"--out_dir={out}/ckpt_{name}", "--ckpt_interval=2"])
+            run(("resumed", name), flags + steps + [f"--resume={out}/ckpt_{name}/step_000002"])
+        import ddp
+        import fsdp
+        after = ["--max_iters=4", "--eval_interval=0", f"--resume={shared}/ckpt8/step_000003"]
+        loaded = {name: _quiet(fn, train_args + flags + after)[0] for name, fn, flags in
+                  [("tp x pp", P.main, mesh_flags(2, 1, 1, 1, 2)), ("fsdp", fsdp.main, []), ("ddp", ddp.main, [])]}
+        results["loaded"] = {name: records[0]["loss"] for name, records in loaded.items() if records}  # rank 0's
+        for flags in BAD:
+            results[flags] = _bad(train_args + list(flags))
+    if world == 2:
+        run("quick", mesh_flags(1, 1, 2) + THREE, save=True)
+    return results if rank == 0 else None
+
+
+@pytest.fixture(scope="module")
+def reference_three(train_args, tmp_path_factory):
+    """The one-process run of ddp.py for the 3 steps of THREE: (records, final state_dict)."""
+    import ddp
+    torch.set_num_threads(1)
+    path = str(tmp_path_factory.mktemp("reference_three") / "state.pt")
+    with contextlib.redirect_stdout(io.StringIO()):
+        records = ddp.main(train_args + THREE + [f"--save_path={path}"])
+    return records, torch.load(path)
+
+
+@pytest.fixture(scope="module")
+def runs(train_args, tmp_path_factory):
+    done, shared = {}, str(tmp_path_factory.mktemp("nd_shared"))
+
+    def at(world):
+        if world == 4:
+            at(8)  # its checkpoint is loaded at 4 ranks
+        if world not in done:
+            done[world] = spawn(_run_all, world, train_args, str(tmp_path_factory.mktemp(f"nd{world}")), shared,
+                                timeout=900)[0]
+        return done[world]
+    return at
+
+
+def _mesh(argv):
+    cfg = M.parse_args(P.DEFAULTS, argv)
+    cfg.n_micro = cfg.n_micro or (2 * cfg.pp if cfg.pp > 1 else 1)
+    config = M.make_config("tiny", VOCAB, BLOCK)
+    return config, cfg, P.layout(cfg, config, 0, check=False)
+
+
+def check_bytes(records, argv):
+    """Measured bytes per axis against axis_bytes: each group's sum, and the world's;
+    nothing sent outside the five axes; every axis of size > 1 sends; and the state
+    each rank keeps against state_per_rank."""
+    config, cfg, mesh = _mesh(argv)
+    world = P.world_of(mesh)
+    total = P.axis_bytes(config, cfg, mesh)
+    for r in records:
+        for a in P.AXES:
+            sent = r[f"comm_bytes_{a}"]
+            assert sum(sent) == total[a], (mesh, a, sum(sent), total[a])
+            for ranks in P.mesh_groups(mesh)[a]:
+                want = P.axis_bytes(config, cfg, mesh, stage=P.coords(ranks[0], mesh).pp)[a]
+                assert sum(sent[i] for i in ranks) == want, (mesh, a, ranks)
+                assert sum(r[f"formula_bytes_{a}"][i] for i in ranks) == pytest.approx(want)
+        assert r["comm_bytes"] == [sum(r[f"comm_bytes_{a}"][i] for a in P.AXES) for i in range(world)]
+    assert all((total[a] > 0) == (n > 1) for a, n in mesh._asdict().items())  # a formula that can fail
+    state = [P.state_per_rank(config, cfg, mesh, P.coords(i, mesh).pp, P.coords(i, mesh).dp_shard)
+             for i in range(world)]
+    assert records[-1]["state_bytes"] == state, (mesh, records[-1]["state_bytes"], state)
+
+
+def check_run(result, ref):
+    """Losses and validation losses within 1e-4 of the reference, the same final parameters,
+    the bytes and the state of check_bytes, and the mesh printed."""
+    records, printed, path, argv = result
+    assert_logs_match(records, ref[0], 1e-4)
+    assert_logs_match([r for r in records if "val_loss" in r], [r for r in ref[0] if "val_loss" in r],
+                      1e-4, key="val_loss")
+    assert_states_match(torch.load(path), ref[1])
+    check_bytes(records, argv)
+    # rank 0 prints the mesh: every rank's coordinates and groups
+    _, _, mesh = _mesh(argv)
+    for r in range(P.world_of(mesh)):
+        c = P.coords(r, mesh)
+        groups = {a: next(g for g in P.mesh_groups(mesh)[a] if r in g) for a in P.AXES}
+        assert (f"rank {r:4d} (pp, dp_replicate, dp_shard, cp, tp) = ({', '.join(map(str, c))})  "
+                + "  ".join(f"{a} group {groups[a]}" for a in P.CREATED)) in printed
+
+
+def test_every_axis_at_8_ranks(runs, reference_three):
+    results = runs(8)
+    for name in LAYOUTS8:
+        check_run(results[name], reference_three)
+    records, _, _, argv = results["bf16"]
+    assert len(records) == 3
+    check_bytes(records, argv)  # the compute dtype's 2 bytes in tp's regions and on the ring
+
+
+def test_every_pair_of_axes_at_4_ranks(runs, reference, reference_three):
+    results = runs(4)
+    check_run(results["long"], reference)
+    for name in PAIRS4:
+        if "--dtype=bfloat16" in PAIRS4[name]:  # bf16: its bytes; its losses within bf16's rounding
+            records, _, _, argv = results[name]
+            assert all(abs(r["loss"] - q["loss"]) < 5e-2 for r, q in zip(records, reference_three[0]))
+            check_bytes(records, argv)
+        else:
+            check_run(results[name], reference_three)
+
+
+def test_checkpoints_and_bad_layouts(runs, reference_short):
+    """Exact resume at the same layout; dp_shard 2 x tp 2 x pp 2's checkpoint loaded by
+    tp 2 x pp 2, fsdp.py and ddp.py at 4 ranks: the next step's loss the same within 1e-6
+    whoever computes it, and the one-process run's within 1e-4; bad layouts: one line."""
+    results = runs(4)
+    for name in RESUMED:
+        first, resumed = results[("first", name)][0], results[("resumed", name)][0]
+        assert [r["iter"] for r in resumed] == [2, 3]
+        assert [r["loss"] for r in resumed] == [r["loss"] for r in first[2:]], name
+    loaded = results["loaded"]
+    assert max(loaded.values()) - min(loaded.values()) <= 1e-6, loaded
+    assert abs(loaded["ddp"] - reference_short[0][3]["loss"]) <= 1e-4, loaded
+    for flags, message in BAD.items():
+        code, err = results[flags]
+        assert code != 0 and err.count("\n") == 1 and err.startswith("error:"), (flags, err)
+        assert message in err, (flags, err)
+
+
+@pytest.mark.quick
+def test_dp_shard_at_2_ranks(runs, reference_three):
+    check_run(runs(2)["quick"], reference_three)
+
+
+def test_mesh_and_formulas_on_paper():
+    """The layout rank = (((pp·R + r)·S + s)·CP + c)·TP + t, groups that partition the ranks;
+    and the byte count and the state reduce to each strategy's own when the other axes are 1."""
+    # the planner's byte and state model is the one the runs above are held to
+    assert (plan_3d.axis_bytes, plan_3d.axis_messages, plan_3d.state_per_rank) == \
+        (P.axis_bytes, P.axis_messages, P.state_per_rank)
+    mesh = P.Mesh(2, 3, 2, 2, 3)
+    world = P.world_of(mesh)
+    for r in range(world):
+        c = P.coords(r, mesh)
+        assert r == P.rank_of(c, mesh) == (((c.pp * 3 + c.dp_replicate) * 2 + c.dp_shard) * 2 + c.cp) * 3 + c.tp
+    for a, n in mesh._asdict().items():
+        groups = P.mesh_groups(mesh)[a]
+        assert sorted(r for g in groups for r in g) == list(range(world)) and all(len(g) == n for g in groups)
+    assert P.mesh_groups(mesh)["tp"][0] == [0, 1, 2] and P.mesh_groups(mesh)["cp"][0] == [0, 3]
+    import context_parallel
+    import ddp
+    import fsdp
+    import tensor_parallel as TP
+    config = M.make_config("tiny", VOCAB, BLOCK)
+    for n in (2, 4):
+        base = dict(batch_size=BATCH, n_micro=1, dtype="float32", grad_clip=1.0, sequence_parallel=False,
+                    dp=0, dp_replicate=0, dp_shard=1, cp=1, tp=1, pp=1, zero_stage=3, layout="zigzag")
+        cfg = SimpleNamespace(**base)
+        assert P.traffic_per_rank(config, cfg, n) == pytest.approx(ddp.traffic_per_rank(config, cfg, n))
+        for sp in (False, True):
+            cfg = SimpleNamespace(**dict(base, tp=n, sequence_parallel=sp))
+            assert P.traffic_per_rank(config, cfg, n) == pytest.approx(TP.traffic_per_rank(config, cfg, n))
+        cfg = SimpleNamespace(**dict(base, pp=n, n_micro=4))
+        assert P.traffic_per_rank(config, cfg, n) == pytest.approx(PP.traffic_per_rank(config, cfg, n))
+        for dtype in ("float32", "bfloat16"):
+            cfg = SimpleNamespace(**dict(base, cp=n, dtype=dtype))
+            assert P.traffic_per_rank(config, cfg, n) == pytest.approx(
+                context_parallel.traffic_per_rank(config, cfg, n))
+        # one gather and one reduce-scatter a step: fsdp.py's ZeRO-2 traffic (fp32), and its state
+        for stage in (1, 2, 3):
+            cfg = SimpleNamespace(**dict(base, dp_shard=n, zero_stage=stage))
+            fcfg = M.parse_args(fsdp.DEFAULTS, ["--zero_stage=2", "--dtype=float32"])
+            assert P.traffic_per_rank(config, cfg, n) == pytest.approx(fsdp.traffic_per_rank(config, fcfg, n))
+            fcfg.zero_stage = stage
+            mesh = P.Mesh(1, 1, n, 1, 1)
+            assert [P.state_per_rank(config, cfg, mesh, 0, r) for r in range(n)] == \
+                fsdp.state_per_rank(config, fcfg, n)
