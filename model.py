@@ -317,7 +317,7 @@ class MoE(nn.Module):
         self.aux = balance_loss(probs.view(B, T, -1), chosen.view(B, T, -1))
         out, stats = self.run_experts(tokens, chosen)  # (n, k, C): each choice's expert output, 0 if dropped
         y = (weights.unsqueeze(-1) * out).sum(1)
-        if self.training:
+        if self.training and not rerunning():  # --recompute=full reruns it in backward: count it once
             for name, v in dict(stats, aux_loss=self.aux.detach(), forwards=1).items():
                 self.tally[name] = self.tally.get(name, 0) + v
         return y.view(B, T, C).to(x.dtype)
@@ -449,6 +449,11 @@ def active_params(config):
 
 RECOMPUTE = ("none", "gelu", "full")
 _count = None  # while saved_bytes() counts: its pack hook, which _pack_gelu passes the rest to
+_rerun = False  # while backward reruns a block's forward (full): MoE's statistics are not counted twice
+
+
+def rerunning():
+    return _rerun
 
 
 def recompute_block(fn, x, mode="none"):
@@ -465,7 +470,17 @@ def recompute_block(fn, x, mode="none"):
     if mode == "full" and torch.is_grad_enabled():
         if _count is not None:
             _count(x)
-        return torch.utils.checkpoint.checkpoint(fn, x, use_reentrant=False)
+        calls = []
+
+        def forward(x):  # the first call is forward; any later one, backward's rerun
+            global _rerun
+            before, _rerun = _rerun, bool(calls)
+            calls.append(1)
+            try:
+                return fn(x)
+            finally:
+                _rerun = before
+        return torch.utils.checkpoint.checkpoint(forward, x, use_reentrant=False)
     if mode == "gelu" and torch.is_grad_enabled():
         with torch.autograd.graph.saved_tensors_hooks(_pack_gelu, _unpack_gelu):
             return fn(x)
@@ -490,11 +505,14 @@ def _unpack_gelu(saved):
     return F.gelu(x, approximate=approximate).as_strided(size, stride, offset)
 
 
-def saved_bytes(params):
+def saved_bytes(params, skip=None):
     """A context that counts the bytes autograd keeps for backward (the activations),
     leaving out the parameters, which it saves by reference. -> (context, dict
-    storage -> bytes): with counting: ...; sum(saved.values())."""
-    skip = {p.untyped_storage().data_ptr() for p in params}
+    storage -> bytes): with counting: ...; sum(saved.values()). skip: a set of storages
+    (data_ptr) not to count either, which the caller may change as it goes (fsdp.py's
+    ZeRO-3 adds each block's gathered weights while the block computes)."""
+    skip = set() if skip is None else skip
+    skip.update(p.untyped_storage().data_ptr() for p in params)
     seen = {}
 
     def pack(t):

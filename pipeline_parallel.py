@@ -170,6 +170,7 @@ class Stage(nn.Module):
         super().__init__()
         self.config, self.first, self.last = config, stage == 0, stage == n_stages - 1
         self.n_chunks = n_stages * n_virtual
+        self.recompute = "none"  # --recompute: what each block keeps for backward (model.recompute_block)
         self.chunks = {c: stage_layers(config.n_layer, self.n_chunks, c) for c in range(stage, self.n_chunks, n_stages)}
         self.transformer = nn.ModuleDict(dict(h=nn.ModuleDict({str(i): M.build_unit(config, i, seed)
                                                                for c in self.chunks for i in self.chunks[c]})))
@@ -197,7 +198,7 @@ class Stage(nn.Module):
         if chunk == 0:
             x = M.embed(t.wte, t.wpe, x, self.config.dropout, self.training)
         for i in self.chunks[chunk]:
-            x = t.h[str(i)](x)
+            x = M.recompute_block(t.h[str(i)], x, self.recompute)
         return M.head(t.ln_f, self.lm_head.weight, x, targets)[1] if chunk == self.n_chunks - 1 else x
 
 
@@ -429,6 +430,7 @@ def main(argv=None):
     run.layout = dict(stages=n_stages, schedule=cfg.schedule) | (dict(virtual_stages=v) if v > 1 else {})
 
     stage = Stage(config, me, n_stages, cfg.seed, v).to(device)
+    stage.recompute = cfg.recompute
     params = list(stage.parameters())  # a tensor used twice (one stage: the tie) is listed once
     optimizer = M.make_optimizer(stage.named_parameters(), cfg, device)
     M.restore(run, checkpoint_entries(stage), optimizer)  # both copies of the tied matrix are loaded
