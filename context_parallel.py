@@ -376,6 +376,17 @@ class Clock:
         return ms
 
 
+def activation_per_rank(config, cfg, world):
+    """The bytes autograd keeps between forward and backward on a rank (the log's act_bytes):
+    every activation is per position, so a rank keeps what one process keeps for sequences
+    of s/N positions (model.activation_bytes and ends_bytes; the ring keeps its output in
+    its own order besides c_proj's copy)."""
+    d = 2 if cfg.dtype == "bfloat16" else 4
+    n, s = cfg.batch_size * config.block_size // world, config.block_size // world
+    return (M.activation_bytes(config, n, getattr(cfg, "recompute", "none"), ring=True, dtype_bytes=d)
+            + M.ends_bytes(config, n, s, dtype_bytes=d))
+
+
 def traffic_per_rank(config, cfg, world):
     """Bytes a rank sends per optimizer step. With b rows, s tokens, h = n_embd, L layers,
     Ψ parameters, a = 4 bytes in float32 or 2 in bfloat16 for K and V (gradients float32):

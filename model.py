@@ -534,7 +534,7 @@ def _counting(pack):
         _count = before
 
 
-def activation_bytes(config, tokens, mode="none", tp=1, sp=False, dtype_bytes=4, layers=None):
+def activation_bytes(config, tokens, mode="none", tp=1, sp=False, ring=False, dtype_bytes=4, layers=None):
     """The bytes autograd keeps between forward and backward for `layers` blocks (default:
     all) on `tokens` tokens, as saved_bytes() counts them. h = n_embd, a = n_head, d =
     dtype_bytes (4 for float32; LayerNorm's statistics and attention's log-sum-exp are float32
@@ -551,13 +551,16 @@ def activation_bytes(config, tokens, mode="none", tp=1, sp=False, dtype_bytes=4,
     output (d·4h/t). With dropout 0 there are no masks. Tensor parallelism splits what lies
     between f and g (heads, MLP columns); sequence parallelism also the LayerNorms' inputs
     and statistics (the positions); c_attn and c_fc keep their all-gathered input, so the
-    2h stays whole (Megatron gathers it again in backward instead). The README derives it
+    2h stays whole (Megatron gathers it again in backward instead). ring: context_parallel.py's
+    ring attention keeps its output in (b, a, s, hs) order, so c_proj's (b, s, h) input is a
+    second copy: d·h more (none, gelu). Context parallelism divides `tokens` itself (s/N
+    positions a rank), the pipeline `layers` and the micro-batch. The README derives it
     beside Korthikanti et al. 2022's sbh(34 + 5as/h)."""
     h, a, d, t, n = config.n_embd, config.n_head, dtype_bytes, tp, tokens
     layers = config.n_layer if layers is None else layers
     if mode == "full":
         return layers * n * d * h // (t if sp else 1)
-    split = 12 * h if mode == "none" else 8 * h  # numbers a token whose heads or columns tp splits
+    split = (12 * h if mode == "none" else 8 * h) + (h if ring else 0)  # what tp splits: heads, MLP columns
     if sp:  # LayerNorms' inputs and statistics split too; c_attn's and c_fc's inputs whole
         return layers * (n * d * 2 * h + (n * d * (split + 2 * h) + n * (4 * a + 16)) // t)
     return layers * (n * d * 4 * h + (n * d * split + n * 4 * a) // t + n * 16)

@@ -356,6 +356,21 @@ def clip_global_norm(stage, max_norm, group=None):
     return M.clip_by_global_norm(sq, [p.grad for p in params], max_norm, [group])
 
 
+def activation_per_rank(config, cfg, world):
+    """The bytes autograd keeps for backward on each stage at its peak (the log's act_bytes),
+    one pipeline of `world` stages without virtual stages: the micro-batches it holds at most
+    (GPipe m, 1F1B min(p - r, m), ZB-H1 min(p, m): max_held) x one micro-batch's bytes for
+    its blocks (model.activation_bytes), the embedding on the first stage, the head on the last."""
+    d = 2 if cfg.dtype == "bfloat16" else 4
+    n, out = cfg.batch_size // cfg.n_micro * config.block_size, []
+    for r in range(world):
+        layers = len(stage_layers(config.n_layer, world, r))
+        micro = (M.activation_bytes(config, n, getattr(cfg, "recompute", "none"), dtype_bytes=d, layers=layers)
+                 + M.ends_bytes(config, n, config.block_size, embed=r == 0, head=r == world - 1, dtype_bytes=d))
+        out.append(max_held(schedule(cfg.schedule, world, cfg.n_micro, r)) * micro)
+    return out
+
+
 def traffic_per_rank(config, cfg, world):
     """Bytes a rank sends per step, on average over the p ranks. What is sent, and in which
     dtype under each --dtype:

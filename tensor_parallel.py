@@ -497,6 +497,24 @@ def main(argv=None):
 # the bytes
 
 
+def activation_per_rank(config, cfg, world):
+    """The bytes autograd keeps between forward and backward on a rank (the log's act_bytes):
+    the blocks' (model.activation_bytes, split by the heads and MLP columns, and with
+    sequence parallelism by the positions), plus the ends'. The embedding keeps its local
+    ids (int64) and the mask of ids outside its rows (bool), and the positions; the head
+    ln_f's input and statistics (1/N of them under sequence parallelism), the matmul's
+    input (after f: every position), and the vocabulary-parallel loss its (b·s, V/N)
+    float32 softmax, the local target ids and their mask."""
+    dtype = M.auto_dtype() if cfg.dtype == "auto" else cfg.dtype
+    d, h, n, s = (2 if dtype == "bfloat16" else 4), config.n_embd, cfg.batch_size * config.block_size, config.block_size
+    sp, t = cfg.sequence_parallel, world
+    blocks = M.activation_bytes(config, n, getattr(cfg, "recompute", "none"), t, sp, dtype_bytes=d)
+    cut = t if sp else 1  # the positions' share outside the regions
+    embed = n * (8 + 1) + 8 * s // cut
+    head = n * (d * h + 8) // cut + n * d * h + n * (4 * config.vocab_size // t + 8 + 1)
+    return blocks + embed + head
+
+
 def traffic_per_rank(config, cfg, world):
     """Bytes a rank sends per step, on average over the ranks.
 
