@@ -3,8 +3,8 @@ Benchmark --recompute on every strategy at 2 ranks: the bytes autograd keeps for
 rank (act_bytes, counted with saved-tensor hooks) next to the formula, and the time a step
 takes, for none / gelu / full.
 
-    python bench/recompute_bench.py                      # the README's table: tiny preset, 8 x 256 tokens
-    python bench/recompute_bench.py --block_size=64 --iters=4
+    python bench/recompute_bench.py                      # the README's table: tiny preset, 8 x 64 tokens
+    python bench/recompute_bench.py --block_size=256 --iters=4
 
 Every run is a real torchrun launch of 2 CPU ranks over gloo (one thread each) with a
 deadline; the numbers come from the JSON log rank 0 writes. ms/step is the median over the
@@ -63,8 +63,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
     ap.add_argument("--model", default="tiny")
     ap.add_argument("--batch_size", type=int, default=8)
-    ap.add_argument("--block_size", type=int, default=256)
-    ap.add_argument("--iters", type=int, default=4)
+    ap.add_argument("--block_size", type=int, default=64)
+    ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--data_dir", default="", help="default: the tests' synthetic set, made in a temporary folder")
     ap.add_argument("--timeout", type=int, default=900)
@@ -81,10 +81,10 @@ def main():
                   "--dtype=float32", "--log_interval=0"]
         print(f"{a.model} preset, {a.batch_size} x {a.block_size} tokens a step, 2 CPU ranks over gloo, one thread "
               f"each, float32, {a.iters} steps (median after {a.warmup})")
-        header = f"{'strategy':<40}" + "".join(f"{m + ' MB':>10}{'ms':>7}" for m in M.RECOMPUTE) + f"{'formula':>9}"
+        header = f"{'strategy':<46}" + "".join(f"{m + ' MB':>10}{'ms':>7}" for m in M.RECOMPUTE) + f"{'formula':>9}"
         print(header + "\n" + "-" * len(header), flush=True)
         for script, extra in RUNS:
-            row, exact = f"{script[:-3] + ' ' + ' '.join(extra):<40}", True
+            row, exact = f"{script[:-3] + ' ' + ' '.join(extra):<46}", True
             for mode in M.RECOMPUTE:
                 args = common + extra + [f"--recompute={mode}"]
                 recs = launch(script, args, os.path.join(tmp, "log.jsonl"), a.timeout)
