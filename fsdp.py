@@ -17,7 +17,8 @@ slice of them), ZeRO-1 the full gradient (the gradient shard a slice of it).
 What is sent, and when, for each micro-batch of ZeRO-3 (zero3_micro_step):
   forward   all-gather a unit's weights just before it runs, free them right after
   head      forward and backward at once, on one gather of the ends
-  backward  all-gather each block again (L-1 down to 0), recompute it, backpropagate, free it,
+  backward  all-gather each block again (L-1 down to 0), backpropagate (through its kept graph,
+            or under --recompute=full recomputing it first from its input), free it,
             reduce-scatter its gradient into this rank's gradient shard; the ends' gradient last
 --prefetch=k issues the next k units' all-gathers while one computes. ZeRO-1/2 (zero12_step)
 reduce-scatter the gradients (ZeRO-2 block by block as backward goes, ZeRO-1 once a step),
