@@ -253,14 +253,14 @@ def use_ring(model, ring, clock=None):
         block.attn.attend = functools.partial(ring_attention, ring=ring, clock=clock)
 
 
-def forward(model, idx, targets, pos):
+def forward(model, idx, targets, pos, recompute="none"):
     """model.GPT's forward on this rank's positions `pos` of every row (its attention on
     the ring). -> the mean loss over this rank's tokens (every rank holds as many: the
     ranks' mean is the batch's)."""
     t = model.transformer
     x = t.wte(idx) + t.wpe(pos)  # the GLOBAL positions
     for block in t.h:
-        x = block(x)
+        x = M.recompute_block(block, x, recompute)
     return M.head(t.ln_f, model.lm_head.weight, x, targets)[1]
 
 
@@ -332,7 +332,7 @@ def main(argv=None):
         x, y = x[:, pos], y[:, pos]  # ...at this rank's positions
         counting, saved = M.saved_bytes(params) if not cfg.compile else (nullcontext(), {})
         with run.autocast, counting:
-            loss = step_forward(model, x, y, pos)
+            loss = step_forward(model, x, y, pos, cfg.recompute)
         loss.backward()  # the ring runs again, backward, inside
         if flat is not None:
             C.all_reduce(flat, op="avg", group=group)  # the replicated weights' gradients, once a step
@@ -376,11 +376,23 @@ class Clock:
         return ms
 
 
+def activation_per_rank(config, cfg, world):
+    """The bytes autograd keeps between forward and backward on a rank (the log's act_bytes):
+    every activation is per position, so a rank keeps what one process keeps for sequences
+    of s/N positions (model.activation_bytes and ends_bytes; the ring keeps its output in
+    its own order besides c_proj's copy)."""
+    d = 2 if cfg.dtype == "bfloat16" else 4
+    n, s = cfg.batch_size * config.block_size // world, config.block_size // world
+    return (M.activation_bytes(config, n, getattr(cfg, "recompute", "none"), ring=True, dtype_bytes=d)
+            + M.ends_bytes(config, n, s, dtype_bytes=d))
+
+
 def traffic_per_rank(config, cfg, world):
     """Bytes a rank sends per optimizer step. With b rows, s tokens, h = n_embd, L layers,
     Ψ parameters, a = 4 bytes in float32 or 2 in bfloat16 for K and V (gradients float32):
 
         forward    L · (N-1) · 2·b·(s/N)·h · a      K and V of one rank's positions, N-1 hops
+                                                    (twice with --recompute=full: backward reruns it)
         backward   L · (N-1) · 2·b·(s/N)·h · a      the same blocks again (forward kept only its own)
                  + L · (N-1) · 2·b·(s/N)·h · 4      their gradients dK, dV, N-1 hops, the last one home
         weights    2(N-1)/N · 4Ψ                    one ring all-reduce of every gradient
@@ -398,7 +410,7 @@ def traffic_per_rank(config, cfg, world):
     b, s, h, L = cfg.batch_size, config.block_size, config.n_embd, config.n_layer
     a = 2 if cfg.dtype == "bfloat16" else 4
     block = 2 * b * (s // world) * h  # K and V, every row and head, of one rank's positions
-    forward = L * (world - 1) * block * a
+    forward = L * (world - 1) * block * a * (2 if getattr(cfg, "recompute", "none") == "full" else 1)  # full: rerun
     backward = L * (world - 1) * block * a + L * (world - 1) * block * 4
     weights = 2 * (world - 1) / world * 4 * M.param_count(config)
     return forward + backward + weights

@@ -26,6 +26,8 @@ the last: the same bytes per step, k times the tokens.
 --n_expert=E trains model.py's mixture of experts with every expert replicated;
 its one-process run is the reference that expert_parallel.py reproduces.
 """
+from contextlib import nullcontext
+
 import torch
 
 import collectives as C
@@ -149,6 +151,7 @@ def main(argv=None):
     # every rank builds the same model from the seed; the broadcast from rank 0
     # makes that true even if a user changes the seed per rank (a common bug)
     model = M.GPT(config, seed=cfg.seed).to(device)
+    model.recompute = cfg.recompute
     params = list(model.parameters())  # the tied matrix once
     if world > 1:
         for t in params + list(model.buffers()):
@@ -186,13 +189,15 @@ def main(argv=None):
             buckets.zero()
         else:
             optimizer.zero_grad(set_to_none=True)
-        loss = torch.zeros((), device=device)
+        loss, act = torch.zeros((), device=device), 0
         for m in range(cfg.grad_accum):
             if buckets:  # communicate only after the last micro-step: one all-reduce serves them all
                 buckets.sync = m == cfg.grad_accum - 1
             x, y = M.batch(run, it, "train", m, cfg.grad_accum, rank, world)
-            with run.autocast:
+            counting, saved = M.saved_bytes(params) if not cfg.compile else (nullcontext(), {})
+            with run.autocast, counting:
                 _, micro_loss = step_model(x, y)
+            act = max(act, sum(saved.values()))  # what this micro-step's backward will read
             # the mean over the global batch; plus, with --n_expert, the load-balancing loss (0.0 if dense)
             ((micro_loss + M.moe_loss(model)) / cfg.grad_accum).backward()
             loss += micro_loss.detach() / cfg.grad_accum
@@ -208,7 +213,7 @@ def main(argv=None):
         # ---------------------------------------------------------------- end of the training step
         grads = buckets.buffers if buckets else [p.grad for p in params]
         state = M.tensor_bytes(params) + M.tensor_bytes(grads) + M.optimizer_state_bytes(optimizer)
-        M.end_iter(run, loss=loss.item(), grad_norm=norm, state_bytes=state,
+        M.end_iter(run, loss=loss.item(), grad_norm=norm, state_bytes=state, act_bytes=act,
                    exposed_comm_ms=1000 * M.elapsed(t_comm, exposed), **M.moe_log(run, model))
     return M.finish(run)
 

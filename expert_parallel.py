@@ -28,6 +28,8 @@ through these exchanges from every rank's tokens, so it is never all-reduced; th
 replicated weights' gradients are averaged with one all-reduce a step.
 traffic_per_rank() gives the bytes; the log adds the experts' loads and the drops.
 """
+from contextlib import nullcontext
+
 import torch
 
 import collectives as C
@@ -70,7 +72,7 @@ class ExpertParallelMoE(M.MoE):
         kept = M.kept_counts(table, capacity).sum(-1).cpu()  # (N, E): the rows rank i's tokens bring expert e
         stats = dict(expert_tokens=kept[me], dropped_tokens=n * k - int(kept[me].sum()),
                      expert_load=int(kept[:, mine].sum()))
-        if self.training:
+        if self.training and not M.rerunning():
             self.load = self.load + kept.sum(0)
         rows = tokens.to(self.wire_dtype) if self.wire_dtype else tokens  # they travel in the compute dtype
         if self.mode == "alltoall":
@@ -245,6 +247,7 @@ def main(argv=None):
     group = None  # the whole world; every piece takes its group, so a mesh could run them on a sub-group
 
     model = M.GPT(config, seed=cfg.seed)
+    model.recompute = cfg.recompute
     wire = torch.bfloat16 if cfg.dtype == "bfloat16" else None  # the rows travel in the compute dtype
     for block in model.transformer.h:  # keep this rank's experts of every layer, drop the others
         block.mlp = ExpertParallelMoE(block.mlp, cfg.dispatch, wire, group)
@@ -284,7 +287,8 @@ def main(argv=None):
         # ---------------------------------------------------------------- the training step
         optimizer.zero_grad(set_to_none=True)
         x, y = M.batch(run, it, "train", 0, 1, rank, world)
-        with run.autocast:
+        counting, saved = M.saved_bytes(model.parameters()) if not cfg.compile else (nullcontext(), {})
+        with run.autocast, counting:
             _, loss = step_model(x, y)
         (loss + M.moe_loss(model)).backward()  # the experts' gradients arrive through the all-to-alls
         all_reduce_replicated(replicated, group)
@@ -295,7 +299,8 @@ def main(argv=None):
         # ---------------------------------------------------------------- end of the training step
         state = M.tensor_bytes(p for _, p in named) + M.tensor_bytes(p.grad for _, p in named) \
             + M.optimizer_state_bytes(optimizer)
-        M.end_iter(run, loss=loss.item(), grad_norm=norm, state_bytes=state, **moe_stats(run, model, local))
+        M.end_iter(run, loss=loss.item(), grad_norm=norm, state_bytes=state, act_bytes=sum(saved.values()),
+                   **moe_stats(run, model, local))
     return M.finish(run)
 
 # ----------------------------------------------------------------------------- the log and the bytes

@@ -17,7 +17,8 @@ slice of them), ZeRO-1 the full gradient (the gradient shard a slice of it).
 What is sent, and when, for each micro-batch of ZeRO-3 (zero3_micro_step):
   forward   all-gather a unit's weights just before it runs, free them right after
   head      forward and backward at once, on one gather of the ends
-  backward  all-gather each block again (L-1 down to 0), recompute it, backpropagate, free it,
+  backward  all-gather each block again (L-1 down to 0), backpropagate (through its kept graph,
+            or under --recompute=full recomputing it first from its input), free it,
             reduce-scatter its gradient into this rank's gradient shard; the ends' gradient last
 --prefetch=k issues the next k units' all-gathers while one computes. ZeRO-1/2 (zero12_step)
 reduce-scatter the gradients (ZeRO-2 block by block as backward goes, ZeRO-1 once a step),
@@ -28,7 +29,9 @@ shards as ("flat", start, stop) pieces of the global parameters, so any strategy
 """
 import weakref
 from collections import deque
+from contextlib import nullcontext
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn as nn
@@ -48,54 +51,93 @@ class Sharded:
     prefetch: int       # ZeRO-3: how many units' all-gathers run ahead of the unit computing
     autocast: object    # the run's autocast context (bf16), or a null one
     live: "LiveUnits"   # an instrument: how many units' full weights exist at once (after main())
+    recompute: str = "none"  # --recompute: what a block keeps for backward (below, and model.recompute_block)
+    count_saved: bool = True  # count what autograd keeps (act_bytes); off under --compile
 
 
 # -----------------------------------------------------------------------------
 # ZeRO-3: a unit's full weights exist only while it computes
 
 
-@torch.no_grad()
-def zero3_forward(net, idx, gathers, inputs=None):
-    """The embedding and the blocks without autograd, each on its just-gathered weights, freed
-    as soon as it is done. Autograd would keep what backward needs (a linear layer's weight),
-    so every gathered unit alive; instead `inputs` keeps each block's input (b·s·h numbers),
-    and backward gathers the block again and recomputes it from there."""
+# --recompute under ZeRO-3. A block's full weights live only while it computes: after its
+# forward they are freed, and backward gathers them again. What autograd keeps of the
+# activations between the two is another matter, the one --recompute decides, as in every
+# strategy (PyTorch's FSDP is the same: weights re-gathered, activations kept unless
+# activation checkpointing is applied):
+#   none, gelu  forward builds the block's graph on the gathered weights, which are then
+#               freed under it (their memory shrunk to nothing, as free() does); backward
+#               gathers them again into that memory, and runs the kept graph
+#   full        forward runs without autograd and keeps each block's input (b·s·h numbers);
+#               backward recomputes the block from it on the re-gathered weights: one more
+#               forward, and the least memory; this was ZeRO-3's only way before the flag
+
+
+def zero3_forward(net, idx, gathers, kept=None, skip=None):
+    """The embedding and the blocks, each on its just-gathered weights, freed as soon as it is
+    done. kept: None (validation: no autograd) or a list that gets, per block, (input, output,
+    weights): the graph from input to output on weights since freed, or under --recompute=full
+    (input, None, None). skip: the counter's set of weight storages (saved by reference: not
+    activations), grown and shrunk as weights are gathered and freed."""
     ends = net.units[0]
     full = gathers.take(ends)
     gathers.prefetch()  # the next units' all-gathers travel while the embedding computes
-    h = ends.run(full, idx)
+    with torch.no_grad():
+        h = ends.run(full, idx)
     free(full)
     for u in net.units[1:]:
         full = gathers.take(u)
         gathers.prefetch()
-        if inputs is not None:
-            inputs.append(h)
-        h = u.run(full, h)
+        if kept is None or net.recompute == "full":
+            if kept is not None:
+                kept.append((h, None, None))
+            with torch.no_grad():
+                h = u.run(full, h)
+        else:
+            h_in, w = leaf(h), [leaf(t) for t in full]
+            ptrs = {t.untyped_storage().data_ptr() for t in full}
+            skip.update(ptrs)
+            out = M.recompute_block(partial(u.run, w), h_in, net.recompute)
+            skip.difference_update(ptrs)
+            kept.append((h_in, out, w))
+            h = out.detach()
         free(full)
     return h
 
 
 def zero3_micro_step(net, x, y, scale):
     """One micro-batch forward and backward; every unit's gradient ends up reduce-scattered
-    into its gradient shard. scale: 1/grad_accum, so the shards sum to the mean."""
+    into its gradient shard. scale: 1/grad_accum, so the shards sum to the mean.
+    -> (the loss, the bytes kept for backward at the head's backward, the peak)"""
     ends, blocks = net.units[0], net.units[1:]
     gathers = Gathers([ends, *blocks, ends, *reversed(blocks)], net)  # the order the units compute in
-    inputs = []
-    with net.autocast:
-        h = leaf(zero3_forward(net, x, gathers, inputs))
+    kept, skip = [], set()
+    counting, saved = M.saved_bytes([], skip) if net.count_saved else (nullcontext(), {})
+    with net.autocast, counting:
+        h = leaf(zero3_forward(net, x, gathers, kept, skip))
         # the head: forward and backward at once, on one gather of the ends
         full = [leaf(t) for t in gathers.take(ends)]
         gathers.prefetch()
+        skip.update(t.untyped_storage().data_ptr() for t in full)
         loss = ends.run(full, h, y)
+    for h_in, out, _ in kept:
+        if out is None:  # full: the inputs are kept by hand, not by autograd, and counted as the same
+            saved[h_in.untyped_storage().data_ptr()] = h_in.untyped_storage().nbytes()
+    act = sum(saved.values())
     gh, *g_ends = torch.autograd.grad(loss * scale, [h, *full])
     free(full)
     reducing = None
-    for u, h_in in zip(reversed(blocks), reversed(inputs)):
+    for u, (h_in, out, w) in zip(reversed(blocks), reversed(kept)):
         full = [leaf(t) for t in gathers.take(u)]
-        gathers.prefetch()  # the next blocks' all-gathers travel while this one recomputes
-        h_in = leaf(h_in)
-        with net.autocast:
-            out = u.run(full, h_in)  # recompute, with autograd this time
+        if w is not None:  # the kept graph: its weights' memory, freed after forward, filled again
+            refill(w, full)
+            free(full)
+            full = w
+            net.live.allocated(w)
+        gathers.prefetch()  # the next blocks' all-gathers travel while this one computes
+        if out is None:  # full: recompute, with autograd this time
+            h_in = leaf(h_in)
+            with net.autocast:
+                out = u.run(full, h_in)
         gh, *g = torch.autograd.grad(out, [h_in, *full], gh)
         free(full)
         add_reduced(reducing)  # the previous block's reduce-scatter, done while this one computed
@@ -103,17 +145,18 @@ def zero3_micro_step(net, x, y, scale):
     embedding_backward(ends.layout.views(g_ends), x, gh)
     add_reduced(reducing)
     add_reduced(reduce_scatter_grad(ends, g_ends, net.group))  # the tied matrix: head and embedding, reduced once
-    return loss.detach()
+    return loss.detach(), act
 
 
 def zero3_step(net, run, it):
     """The gradients of one optimizer step, reduce-scattered into the units' gradient shards. -> the loss"""
     accum = run.cfg.grad_accum
-    loss = torch.zeros((), device=run.device)
+    loss, act = torch.zeros((), device=run.device), 0
     for m in range(accum):
         x, y = M.batch(run, it, "train", m, accum, C.get_rank(net.group), C.get_world_size(net.group))
-        loss += zero3_micro_step(net, x, y, 1.0 / accum) / accum
-    return loss
+        micro_loss, micro_act = zero3_micro_step(net, x, y, 1.0 / accum)
+        loss, act = loss + micro_loss / accum, max(act, micro_act)
+    return loss, act
 
 
 @torch.no_grad()
@@ -146,6 +189,15 @@ def embedding_backward(g, idx, gh):
 def leaf(t):
     """A new autograd leaf on the same memory: backward stops there and returns its gradient."""
     return t.detach().requires_grad_()
+
+
+def refill(w, full):
+    """Copy just-gathered weights `full` into the memory of `w`, the tensors a kept graph saved
+    and free() emptied: storage to storage, which autograd's version counters do not see (an
+    in-place write to w would be refused in backward as a change to a saved tensor)."""
+    for t, src in zip(w, full):
+        t.untyped_storage().resize_(src.untyped_storage().nbytes())
+        t.untyped_storage().copy_(src.untyped_storage())
 
 
 def free(full):
@@ -221,12 +273,13 @@ def zero12_micro_step(net, x, y, scale):
     fp32 gradient, reduce-scattered once per step."""
     ends, blocks = net.units[0], net.units[1:]
     saved = []
-    with net.autocast:
+    counting, kept = M.saved_bytes([t for u in net.units for t in u.full]) if net.count_saved else (nullcontext(), {})
+    with net.autocast, counting:
         with torch.no_grad():
             h = ends.run(ends.full, x)
         for u in blocks:
             h_in, w = leaf(h), [leaf(t) for t in u.full]
-            out = u.run(w, h_in)
+            out = M.recompute_block(partial(u.run, w), h_in, net.recompute)
             saved.append((h_in, w, out))
             h = out.detach()
         h, w_ends = leaf(h), [leaf(t) for t in ends.full]
@@ -248,7 +301,7 @@ def zero12_micro_step(net, x, y, scale):
     else:
         add_reduced(reducing)
         add_reduced(reduce_scatter_grad(ends, g_ends, net.group))
-    return loss.detach()
+    return loss.detach(), sum(kept.values())
 
 
 def zero12_step(net, run, it):
@@ -257,17 +310,18 @@ def zero12_step(net, run, it):
     for u in net.units:
         for t in u.full_grad:
             t.zero_()
-    loss = torch.zeros((), device=run.device)
+    loss, act = torch.zeros((), device=run.device), 0
     for m in range(accum):
         x, y = M.batch(run, it, "train", m, accum, C.get_rank(net.group), C.get_world_size(net.group))
-        loss += zero12_micro_step(net, x, y, 1.0 / accum) / accum
+        micro_loss, micro_act = zero12_micro_step(net, x, y, 1.0 / accum)
+        loss, act = loss + micro_loss / accum, max(act, micro_act)
     if net.stage == 1:  # one reduce-scatter a unit per step, whatever grad_accum is
         reducing = None
         for u in net.units:
             add_reduced(reducing, replace=True)
             reducing = reduce_scatter_grad(u, u.full_grad, net.group)
         add_reduced(reducing, replace=True)
-    return loss
+    return loss, act
 
 
 @torch.no_grad()
@@ -458,7 +512,8 @@ def main(argv=None):
     group = None  # the whole world; parallel_nd.py runs the same pieces on a sub-group
     stage = cfg.zero_stage
 
-    net = Sharded(build_units(config, cfg, group, device), group, stage, cfg.prefetch, run.autocast, LiveUnits())
+    net = Sharded(build_units(config, cfg, group, device), group, stage, cfg.prefetch, run.autocast, LiveUnits(),
+                  cfg.recompute, not cfg.compile)
     units = net.units
     pieces = [piece for u in units for piece in u.optimizer_params()]
     optimizer = M.make_optimizer([(name, p) for name, p, _ in pieces], cfg, device)
@@ -492,14 +547,14 @@ def main(argv=None):
         for u in units:
             for g in u.grads:
                 g.zero_()
-        loss = zero3_step(net, run, it) if stage == 3 else zero12_step(net, run, it)
+        loss, act = zero3_step(net, run, it) if stage == 3 else zero12_step(net, run, it)
         norm = clip_grad_shards(units, cfg.grad_clip, group) if cfg.grad_clip else 0.0
         optimizer.step()  # on this rank's shards only
         if stage < 3:
             gather_full_weights(net)  # every rank needs every unit's updated weights again
         # ---------------------------------------------------------------- end of the training step
         M.end_iter(run, loss=loss, grad_norm=norm, state_bytes=state_bytes(units, optimizer),
-                   max_gathered_units=net.live.peak if stage == 3 else len(units))
+                   act_bytes=act, max_gathered_units=net.live.peak if stage == 3 else len(units))
     return M.finish(run)
 
 

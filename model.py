@@ -20,7 +20,7 @@ import re
 import shutil
 import sys
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, asdict, field
 from types import SimpleNamespace
 
@@ -28,6 +28,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 # -----------------------------------------------------------------------------
 # sizes
@@ -135,11 +136,12 @@ class GPT(nn.Module):
         ))
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.lm_head.weight = self.transformer.wte.weight  # the tie: one matrix, two uses
+        self.recompute = "none"  # --recompute: what each block keeps for backward (recompute_block)
 
     def forward(self, idx, targets=None):
         x = embed(self.transformer.wte, self.transformer.wpe, idx, self.config.dropout, self.training)
         for block in self.transformer.h:
-            x = block(x)
+            x = recompute_block(block, x, self.recompute)
         return head(self.transformer.ln_f, self.lm_head.weight, x, targets)
 
 
@@ -315,7 +317,7 @@ class MoE(nn.Module):
         self.aux = balance_loss(probs.view(B, T, -1), chosen.view(B, T, -1))
         out, stats = self.run_experts(tokens, chosen)  # (n, k, C): each choice's expert output, 0 if dropped
         y = (weights.unsqueeze(-1) * out).sum(1)
-        if self.training:
+        if self.training and not rerunning():  # --recompute=full reruns it in backward: count it once
             for name, v in dict(stats, aux_loss=self.aux.detach(), forwards=1).items():
                 self.tally[name] = self.tally.get(name, 0) + v
         return y.view(B, T, C).to(x.dtype)
@@ -433,11 +435,84 @@ def active_params(config):
                                                    - mlp_params(config, config.top_k))
 
 
-def saved_bytes(params):
+# -----------------------------------------------------------------------------
+# activation memory: what autograd keeps for backward, and --recompute
+#
+# --recompute says what a block keeps between its forward and its backward:
+#   none  everything its backward reads (the default)
+#   gelu  all but each GELU's output, recomputed in backward from the GELU's input (which
+#         the GELU's own backward keeps anyway): 4h numbers a token a layer fewer, for one
+#         elementwise op, no matmul, no message, in every strategy
+#   full  only the block's input; the whole forward reruns in backward (one more forward
+#         a step, ~1/3 more compute), before the block's backward, from that input
+# The losses and gradients are the same numbers: a rerun computes the same values.
+
+RECOMPUTE = ("none", "gelu", "full")
+_count = None  # while saved_bytes() counts: its pack hook, which _pack_gelu passes the rest to
+_rerun = False  # while backward reruns a block's forward (full): MoE's statistics are not counted twice
+
+
+def rerunning():
+    return _rerun
+
+
+def recompute_block(fn, x, mode="none"):
+    """fn(x), a block's forward, keeping for backward what --recompute=mode says.
+
+    full is torch.utils.checkpoint without re-entrance, not a hand-written rerun: the
+    non-reentrant checkpoint keeps the autograd graph one graph (its saved tensors are
+    placeholders, filled by the rerun when backward first reads one), so torch.autograd.grad
+    with inputs=, backward in two halves (the pipeline's B and W) and gradient hooks all work
+    as without it; the re-entrant version, or the few lines that would write it by hand,
+    runs a second backward inside the first and accumulates into .grad behind their backs.
+    The checkpoint keeps x to rerun from: counted here, as the input it is (whether torch
+    saves it through the hooks differs between versions; counted by storage, it is once)."""
+    if mode == "full" and torch.is_grad_enabled():
+        if _count is not None:
+            _count(x)
+        calls = []
+
+        def forward(x):  # the first call is forward; any later one, backward's rerun
+            global _rerun
+            before, _rerun = _rerun, bool(calls)
+            calls.append(1)
+            try:
+                return fn(x)
+            finally:
+                _rerun = before
+        return torch.utils.checkpoint.checkpoint(forward, x, use_reentrant=False)
+    if mode == "gelu" and torch.is_grad_enabled():
+        with torch.autograd.graph.saved_tensors_hooks(_pack_gelu, _unpack_gelu):
+            return fn(x)
+    return fn(x)
+
+
+def _pack_gelu(t):
+    """What autograd keeps of a tensor a backward will read: for a GELU's output (read by the
+    next matmul's weight gradient, often through a view of it), the GELU's input instead,
+    which the GELU's backward holds anyway, and the view's shape; the output itself is freed
+    after forward."""
+    node = (t if t._base is None else t._base).grad_fn
+    if type(node).__name__ == "GeluBackward0":
+        return node._saved_self, node._saved_approximate, t.size(), t.stride(), t.storage_offset()
+    return t if _count is None else _count(t)
+
+
+def _unpack_gelu(saved):
+    if not isinstance(saved, tuple):
+        return saved
+    x, approximate, size, stride, offset = saved
+    return F.gelu(x, approximate=approximate).as_strided(size, stride, offset)
+
+
+def saved_bytes(params, skip=None):
     """A context that counts the bytes autograd keeps for backward (the activations),
     leaving out the parameters, which it saves by reference. -> (context, dict
-    storage -> bytes): with counting: ...; sum(saved.values())."""
-    skip = {p.untyped_storage().data_ptr() for p in params}
+    storage -> bytes): with counting: ...; sum(saved.values()). skip: a set of storages
+    (data_ptr) not to count either, which the caller may change as it goes (fsdp.py's
+    ZeRO-3 adds each block's gathered weights while the block computes)."""
+    skip = set() if skip is None else skip
+    skip.update(p.untyped_storage().data_ptr() for p in params)
     seen = {}
 
     def pack(t):
@@ -445,7 +520,60 @@ def saved_bytes(params):
         if storage.data_ptr() not in skip:
             seen[storage.data_ptr()] = storage.nbytes()
         return t
-    return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), seen
+    return _counting(pack), seen
+
+
+@contextmanager
+def _counting(pack):
+    global _count
+    before, _count = _count, pack
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            yield
+    finally:
+        _count = before
+
+
+def activation_bytes(config, tokens, mode="none", tp=1, sp=False, ring=False, dtype_bytes=4, layers=None):
+    """The bytes autograd keeps between forward and backward for `layers` blocks (default:
+    all) on `tokens` tokens, as saved_bytes() counts them. h = n_embd, a = n_head, d =
+    dtype_bytes (4 for float32; LayerNorm's statistics and attention's log-sum-exp are float32
+    always), t = tp, per token per layer:
+
+        none   d·(4h + 12h/t) + 4a/t + 16      (sequence parallel: d·(2h + 14h/t) + (4a + 16)/t)
+        gelu   none - d·4h/t                   the GELU outputs, recomputed
+        full   d·h (sp: d·h/t)                 the block's input
+
+    none, term by term: LayerNorm 1 and 2 keep their input (d·h) and mean and 1/std (2·4);
+    c_attn its input (d·h); attention q, k, v (d·3h/t, one c_attn output), its output (d·h/t,
+    c_proj's input too) and a log-sum-exp per head (4a/t): SDPA's flash and CPU kernels keep
+    no s×s matrix; c_fc its input (d·h), the GELU its input (d·4h/t) and c_proj the GELU's
+    output (d·4h/t). With dropout 0 there are no masks. Tensor parallelism splits what lies
+    between f and g (heads, MLP columns); sequence parallelism also the LayerNorms' inputs
+    and statistics (the positions); c_attn and c_fc keep their all-gathered input, so the
+    2h stays whole (Megatron gathers it again in backward instead). ring: context_parallel.py's
+    ring attention keeps its output in (b, a, s, hs) order, so c_proj's (b, s, h) input is a
+    second copy: d·h more (none, gelu). Context parallelism divides `tokens` itself (s/N
+    positions a rank), the pipeline `layers` and the micro-batch. The README derives it
+    beside Korthikanti et al. 2022's sbh(34 + 5as/h)."""
+    h, a, d, t, n = config.n_embd, config.n_head, dtype_bytes, tp, tokens
+    layers = config.n_layer if layers is None else layers
+    if mode == "full":
+        return layers * n * d * h // (t if sp else 1)
+    split = (12 * h if mode == "none" else 8 * h) + (h if ring else 0)  # what tp splits: heads, MLP columns
+    if sp:  # LayerNorms' inputs and statistics split too; c_attn's and c_fc's inputs whole
+        return layers * (n * d * 2 * h + (n * d * (split + 2 * h) + n * (4 * a + 16)) // t)
+    return layers * (n * d * 4 * h + (n * d * split + n * 4 * a) // t + n * 16)
+
+
+def ends_bytes(config, tokens, seq, embed=True, head=True, dtype_bytes=4):
+    """What autograd keeps for the model's two ends, as activation_bytes for the blocks:
+    the embedding its token ids (int64) and the `seq` position ids; the head ln_f's input
+    and statistics, the matmul's input, the log-softmax's float32 output (the logits' one
+    kept copy: V numbers a token, in small models the largest term), the target ids, and
+    the loss's 4-byte total weight."""
+    h, d, V = config.n_embd, dtype_bytes, config.vocab_size
+    return (8 * tokens + 8 * seq if embed else 0) + (tokens * (2 * d * h + 8 + 4 * V + 8) + 4 if head else 0)
 
 
 def tensor_bytes(tensors):
@@ -706,6 +834,7 @@ TRAIN_DEFAULTS = dict(
     dropout=0.0,
     dtype="auto",           # float32 | bfloat16 | auto (bfloat16 on a GPU of compute capability >= 8, else float32)
     compile=False,
+    recompute="none",       # none | gelu | full: what a block keeps for backward (activation memory, below)
     deterministic=False,    # GPU parity mode: TF32 off, deterministic kernels (CPU runs are so already)
     log_file="",            # JSON lines, one per iteration, written by rank 0
     log_interval=50,        # print every this many iterations (the JSON log gets every one)
@@ -814,6 +943,10 @@ def check_flags(cfg):
             die(f"--{k} must be at least 0, not {getattr(cfg, k)}")
     if cfg.eval_interval and cfg.eval_iters <= 0:
         die(f"--eval_iters must be positive when --eval_interval is set (or pass --eval_interval=0)")
+    if cfg.recompute not in RECOMPUTE:
+        die(f"--recompute takes {', '.join(RECOMPUTE)}, not {cfg.recompute!r}")
+    if cfg.recompute == "gelu" and cfg.compile:  # a compiled graph's saved tensors are not the GELU's
+        die("--recompute=gelu runs in eager mode only; with --compile use --recompute=full or none")
     if not 0.0 <= cfg.dropout < 1.0:
         die(f"--dropout must be in [0, 1), not {cfg.dropout}")
     if cfg.resume and cfg.resume != "latest" and not os.path.isdir(cfg.resume):

@@ -170,6 +170,7 @@ class Stage(nn.Module):
         super().__init__()
         self.config, self.first, self.last = config, stage == 0, stage == n_stages - 1
         self.n_chunks = n_stages * n_virtual
+        self.recompute = "none"  # --recompute: what each block keeps for backward (model.recompute_block)
         self.chunks = {c: stage_layers(config.n_layer, self.n_chunks, c) for c in range(stage, self.n_chunks, n_stages)}
         self.transformer = nn.ModuleDict(dict(h=nn.ModuleDict({str(i): M.build_unit(config, i, seed)
                                                                for c in self.chunks for i in self.chunks[c]})))
@@ -197,7 +198,7 @@ class Stage(nn.Module):
         if chunk == 0:
             x = M.embed(t.wte, t.wpe, x, self.config.dropout, self.training)
         for i in self.chunks[chunk]:
-            x = t.h[str(i)](x)
+            x = M.recompute_block(t.h[str(i)], x, self.recompute)
         return M.head(t.ln_f, self.lm_head.weight, x, targets)[1] if chunk == self.n_chunks - 1 else x
 
 
@@ -355,6 +356,21 @@ def clip_global_norm(stage, max_norm, group=None):
     return M.clip_by_global_norm(sq, [p.grad for p in params], max_norm, [group])
 
 
+def activation_per_rank(config, cfg, world):
+    """The bytes autograd keeps for backward on each stage at its peak (the log's act_bytes),
+    one pipeline of `world` stages without virtual stages: the micro-batches it holds at most
+    (GPipe m, 1F1B min(p - r, m), ZB-H1 min(p, m): max_held) x one micro-batch's bytes for
+    its blocks (model.activation_bytes), the embedding on the first stage, the head on the last."""
+    d = 2 if cfg.dtype == "bfloat16" else 4
+    n, out = cfg.batch_size // cfg.n_micro * config.block_size, []
+    for r in range(world):
+        layers = len(stage_layers(config.n_layer, world, r))
+        micro = (M.activation_bytes(config, n, getattr(cfg, "recompute", "none"), dtype_bytes=d, layers=layers)
+                 + M.ends_bytes(config, n, config.block_size, embed=r == 0, head=r == world - 1, dtype_bytes=d))
+        out.append(max_held(schedule(cfg.schedule, world, cfg.n_micro, r)) * micro)
+    return out
+
+
 def traffic_per_rank(config, cfg, world):
     """Bytes a rank sends per step, on average over the p ranks. What is sent, and in which
     dtype under each --dtype:
@@ -429,6 +445,7 @@ def main(argv=None):
     run.layout = dict(stages=n_stages, schedule=cfg.schedule) | (dict(virtual_stages=v) if v > 1 else {})
 
     stage = Stage(config, me, n_stages, cfg.seed, v).to(device)
+    stage.recompute = cfg.recompute
     params = list(stage.parameters())  # a tensor used twice (one stage: the tie) is listed once
     optimizer = M.make_optimizer(stage.named_parameters(), cfg, device)
     M.restore(run, checkpoint_entries(stage), optimizer)  # both copies of the tied matrix are loaded

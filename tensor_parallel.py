@@ -28,6 +28,9 @@ the residual adds treat each token alone: g becomes a reduce-scatter and f an
 all-gather (backward, each is the other), the same bytes and N times smaller LayerNorm
 and dropout activations. traffic_per_rank() derives the bytes.
 """
+from contextlib import nullcontext
+from functools import partial
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -377,12 +380,13 @@ def head_forward(ln_f, wte, x, targets, group=None, sp=False):
     return vocab_parallel_cross_entropy(logits, targets.t(), wte.lo, group)
 
 
-def forward(model, idx, targets, group=None, sp=False, dropout=0.0):
-    """The mean loss over every token of the (b, s) batch, the same on every rank of the group."""
+def forward(model, idx, targets, group=None, sp=False, dropout=0.0, recompute="none"):
+    """The mean loss over every token of the (b, s) batch, the same on every rank of the group.
+    recompute="full" reruns each block's forward in backward, its f's and g's included."""
     t = model.transformer
     x = embed_forward(t.wte, t.wpe, idx, group, sp, dropout, model.training)
     for block in t.h:
-        x = block_forward(block, x)
+        x = M.recompute_block(partial(block_forward, block), x, recompute)
     return head_forward(t.ln_f, t.wte, x, targets, group, sp)
 
 
@@ -471,8 +475,9 @@ def main(argv=None):
         # ---------------------------------------------------------------- the training step
         optimizer.zero_grad(set_to_none=True)
         x, y = M.batch(run, it)  # the whole global batch on every rank: the ranks split the model, not the data
-        with run.autocast:
-            loss = step_forward(model, x, y, group, sp, config.dropout)
+        counting, saved = M.saved_bytes(params) if not cfg.compile else (nullcontext(), {})
+        with run.autocast, counting:
+            loss = step_forward(model, x, y, group, sp, config.dropout, cfg.recompute)
         loss.backward()
         # Without sequence parallelism the replicas need nothing: their inputs are
         # replicated (outputs of g) and so are the gradients that reach them (f's
@@ -485,11 +490,29 @@ def main(argv=None):
         # ---------------------------------------------------------------- end of the training step
         state = M.tensor_bytes(params) + M.tensor_bytes(p.grad for p in params) + M.optimizer_state_bytes(optimizer)
         run.record["sequence_parallel"] = sp
-        M.end_iter(run, loss=loss.item(), grad_norm=norm, state_bytes=state)
+        M.end_iter(run, loss=loss.item(), grad_norm=norm, state_bytes=state, act_bytes=sum(saved.values()))
     return M.finish(run)
 
 # -----------------------------------------------------------------------------
 # the bytes
+
+
+def activation_per_rank(config, cfg, world):
+    """The bytes autograd keeps between forward and backward on a rank (the log's act_bytes):
+    the blocks' (model.activation_bytes, split by the heads and MLP columns, and with
+    sequence parallelism by the positions), plus the ends'. The embedding keeps its local
+    ids (int64) and the mask of ids outside its rows (bool), and the positions; the head
+    ln_f's input and statistics (1/N of them under sequence parallelism), the matmul's
+    input (after f: every position), and the vocabulary-parallel loss its (b·s, V/N)
+    float32 softmax, the local target ids and their mask."""
+    dtype = M.auto_dtype() if cfg.dtype == "auto" else cfg.dtype
+    d, h, n, s = (2 if dtype == "bfloat16" else 4), config.n_embd, cfg.batch_size * config.block_size, config.block_size
+    sp, t = cfg.sequence_parallel, world
+    blocks = M.activation_bytes(config, n, getattr(cfg, "recompute", "none"), t, sp, dtype_bytes=d)
+    cut = t if sp else 1  # the positions' share outside the regions
+    embed = n * (8 + 1) + 8 * s // cut
+    head = n * (d * h + 8) // cut + n * d * h + n * (4 * config.vocab_size // t + 8 + 1)
+    return blocks + embed + head
 
 
 def traffic_per_rank(config, cfg, world):
@@ -501,6 +524,7 @@ def traffic_per_rank(config, cfg, world):
     the ranks; the tests count both exactly.) With b·s tokens a step, h = n_embd, L
     layers and d the compute dtype's bytes (4 float32, 2 bfloat16), what is all-reduced:
       blocks     2 g's forward, 2 f's backward, b·s·h each: 4L, in the compute dtype
+                 (--recompute=full: 6L, backward reruns each block's forward, its g's too)
       head       its f, backward: 1 more, in the compute dtype (f casts its input first)
       embedding  its g, forward: b·s·h float32 rows, as the one-process run keeps them
       loss       3 all-reduces of b·s float32 numbers (max, target logit, sum of exp)
@@ -520,7 +544,8 @@ def traffic_per_rank(config, cfg, world):
     d = 2 if dtype == "bfloat16" else 4
     ar = 2 * (world - 1) / world  # an all-reduce, or a reduce-scatter plus an all-gather
     L, h, bs = config.n_layer, config.n_embd, cfg.batch_size * config.block_size
-    total = ar * bs * h * ((4 * L + 1) * d + 4) + 3 * ar * bs * 4 + ar * 4
+    per_block = 6 if getattr(cfg, "recompute", "none") == "full" else 4
+    total = ar * bs * h * ((per_block * L + 1) * d + 4) + 3 * ar * bs * 4 + ar * 4
     if cfg.sequence_parallel:  # LayerNorms (and their biases), row-parallel biases, ln_f, wpe
         per_block, final = (6 * h, 2 * h) if config.bias else (2 * h, h)
         total += ar * (L * per_block + final + config.block_size * h) * 4

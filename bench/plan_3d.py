@@ -21,7 +21,8 @@ The model:
            recomputation keeps the 2·s·b·h/t input of each layer and one layer's working set. s is the
            sequence a cp rank holds. Times the micro-batches a stage holds: 1F1B and ZB-H1 p - stage,
            interleaved p + (p-1)/v (Korthikanti et al. 2022: 1 + (p-1)/(p·v) times 1F1B's), GPipe m;
-           plus the last stage's logits.
+           plus the last stage's logits. With --precision fp32 (this code) a layer is model.activation_bytes,
+           the bytes the strategies' logs count (selective: its --recompute=gelu).
   compute  (6N + 12·L·h·s) FLOPs a token (model.flops_per_token), the recomputed forward's on top, at
            `eff` of the dense peak, plus each layer's HBM traffic (layer_hbm_bytes) at the data sheet's
            bandwidth, unoverlapped.
@@ -104,9 +105,14 @@ def state_bytes(precision, zero, n):
     return rep + shard / n
 
 
-def layer_activations(s, b, h, a, tp, recompute, flash=False):
+def layer_activations(s, b, h, a, tp, recompute, flash=False, precision=None):
     """Bytes one layer keeps for its backward (Korthikanti et al. 2022: tp with sequence parallelism, and
-    what selective and full recomputation keep)."""
+    what selective and full recomputation keep). precision "fp32": this code's float32 layer as the
+    strategies keep it (model.activation_bytes, sequence parallel; selective is its --recompute=gelu)."""
+    if precision == "fp32":
+        mode = "gelu" if recompute == "selective" else recompute
+        shape = SimpleNamespace(n_embd=h, n_head=a, n_layer=1)
+        return M.activation_bytes(shape, s * b, mode, tp, sp=tp > 1, dtype_bytes=4)
     if recompute == "full":
         return 2 * s * b * h / tp
     scores = 0 if recompute == "selective" or flash else 5 * a * s / h
@@ -244,9 +250,9 @@ def evaluate(config, cl, run, lay, opt, cache=None):
     for st in cache[b]:
         k, t_c = st["k"], st["t_c"][recompute]
         state = st["params"] * state_bytes(prec, zero, shard * cp)
-        act = layer_activations(s, b, h, a, tp, recompute, run.flash) * st["layers"] * held(schedule, pp, m, v, k)
+        act = layer_activations(s, b, h, a, tp, recompute, run.flash, prec) * st["layers"] * held(schedule, pp, m, v, k)
         if recompute == "full":
-            act += layer_activations(s, b, h, a, tp, "selective", run.flash)  # the layer being recomputed
+            act += layer_activations(s, b, h, a, tp, "selective", run.flash, prec)  # the layer being recomputed
         if zero == 3:
             act += 2 * 12 * h * h / tp * WEIGHT_BYTES[prec]  # two gathered layers
         act += s * b * V / tp * (2 + 4) * (k == pp - 1)  # logits, and the float32 copy the loss takes

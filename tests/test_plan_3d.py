@@ -142,3 +142,24 @@ def test_state_model_is_what_fsdp_keeps():
             measured = fsdp.state_per_rank(config, cfg, n)
             assert measured == [P.state_bytes("fp32", stage, n) * psi] * n, (n, stage)
     assert P.state_bytes("fp32", 0, 8) * psi == 16 * psi
+
+
+def test_fp32_activations_equal_the_measured():
+    """--precision fp32 plans this code's float32 layer: model.activation_bytes, what autograd keeps
+    for a block as counted by saved-tensor hooks, here measured on the tiny model's blocks in one
+    process for each recompute mode (tests/test_recompute.py holds the same formula to every
+    strategy's log at 2 ranks, tensor parallel with sequence parallelism included)."""
+    import torch
+    import model as M
+    config = M.make_config("tiny", 192, block_size=32)
+    gpt = M.GPT(config)
+    b, s, L = 2, config.block_size, config.n_layer
+    for planner, mode in (("none", "none"), ("selective", "gelu"), ("full", "full")):
+        x = torch.randn(b, s, config.n_embd, requires_grad=True)
+        counting, saved = M.saved_bytes(list(gpt.parameters()))
+        with counting:
+            h = x
+            for block in gpt.transformer.h:
+                h = M.recompute_block(block, h, mode)
+        assert sum(saved.values()) == L * P.layer_activations(s, b, config.n_embd, config.n_head, 1, planner,
+                                                               precision="fp32"), mode
