@@ -199,6 +199,10 @@ def axis_messages(config, cfg, mesh):
     v = PP.virtual_stages(cfg)  # interleaved: p·v-1 chunk boundaries
     b, s, h, V = cfg.batch_size // (R * S * m), config.block_size // cp, config.n_embd, config.vocab_size
     sp, clip = cfg.sequence_parallel, bool(cfg.grad_clip)
+    # --recompute=full: backward reruns each block's forward, which stops once it has what
+    # backward reads (torch's checkpoint "early stop"): the ring again, and every tp message
+    # but the block's last g (an all-reduce; with sequence parallelism a reduce-scatter)
+    rerun = cfg.recompute == "full"
     region = "rs_ag" if sp else "all_reduce"  # f and g: the same bytes either way
     kv = 2 * b * s * h // tp  # K and V of one rank's positions and heads
     out = []
@@ -209,11 +213,13 @@ def axis_messages(config, cfg, mesh):
         held = sum(-(-n // S) for n in unit_sizes(config, tp, pp, k)) if S > 1 else sharded + replicated
         ring = m * n_blocks * cp * (cp - 1)  # every rank of the ring, every hop, every block, every micro-batch
         out += [Message("tp", k, "blocks, head", region, tp, b * s * h * d, m * (4 * n_blocks + last)),
+                Message("tp", k, "rerun", "all_gather" if sp else "all_reduce", tp, b * s * h * d,
+                        m * n_blocks * (3 if sp else 1) * rerun),  # sp: 3 halves of a region (AG, RS, AG)
                 Message("tp", k, "embedding", region, tp, b * s * h * 4, m * first),
                 Message("tp", k, "loss", "all_reduce", tp, b * s * 4, 3 * m * last),
                 Message("tp", k, "norm", "all_reduce", tp, 4, clip),
                 Message("tp", k, "replicas", "all_reduce", tp, 4 * replicated, sp),  # sequence parallel's
-                Message("cp", k, "k, v", "p2p", cp, kv * d, 2 * ring),  # forward, and again backward
+                Message("cp", k, "k, v", "p2p", cp, kv * d, (2 + rerun) * ring),  # forward, (the rerun,) backward
                 Message("cp", k, "dk, dv", "p2p", cp, kv * 4, ring),
                 Message("cp", k, "gradients", "all_reduce", cp, 4 * held, 1),
                 Message("dp_shard", k, "weights", "all_gather", S, 4 * S * held, 1),
@@ -244,12 +250,14 @@ def axis_bytes(config, cfg, mesh, stage=None):
     b = B/(R·S·m), s the sequence a cp rank holds (block_size/cp), h the width, V the
     vocabulary, L_k the blocks of stage k, d the compute dtype's bytes, Ψ_k the elements a
     rank of stage k holds (stage_params), P_k the same in ZeRO units padded to S·⌈n/S⌉):
-      tp (stage k)  m · (4·L_k + [first] + [last]) all-reduces of b·s·h (d; the embedding's 4),
+      tp (stage k)  m · (4·L_k + [first] + [last]) all-reduces of b·s·h (d; the embedding's 4;
+                    --recompute=full: + L_k, the rerun's first g; sequence parallel: + 1.5·L_k),
                     + [last] m·3 all-reduces of b·s floats (the loss) + 1 float (the norm)
                     (--sequence_parallel: each all-reduce a reduce-scatter + all-gather, the
                     same bytes, + the replicated parameters' gradients once)
       cp (stage k)  m·L_k·cp·(cp-1) hops of K, V (2·b·s·h/tp, d bytes) forward, as many
-                    backward, as many of dK, dV (4 bytes); + one all-reduce of the gradients
+                    backward (and as many again for --recompute=full's rerun), as many of dK,
+                    dV (4 bytes); + one all-reduce of the gradients
                     the rank holds (Ψ_k floats, or its P_k/S under dp_shard)
       dp_shard      (S-1)·4P_k for the all-gather of the stage's units, as much for the
                     reduce-scatter of their gradients, + 1 float (the norm)
@@ -307,6 +315,7 @@ class Stage(nn.Module):
     def __init__(self, config, stage, n_stages, seed, group, sp, n_virtual=1, pos=None, ring=None):
         super().__init__()
         self.config, self.group, self.sp, self.pos, self.gather = config, group, sp, pos, lambda unit: None
+        self.recompute = "none"  # --recompute: what each block keeps for backward (model.recompute_block)
         self.first, self.last = stage == 0, stage == n_stages - 1
         self.n_chunks = n_stages * n_virtual  # pipeline_parallel.Stage's chunks: r, r+p, ...
         self.chunks = {c: PP.stage_layers(config.n_layer, self.n_chunks, c)
@@ -344,8 +353,8 @@ class Stage(nn.Module):
         elif chunk == 0:  # a cp rank's positions: the GLOBAL ones, as context_parallel.forward
             x = F.dropout(t["wte"](x.t()) + t["wpe"](self.pos)[:, None], self.config.dropout, self.training)
         for i in self.chunks[chunk]:
-            self.gather(i)
-            x = TP.block_forward(t["h"][str(i)], x)
+            self.gather(i)  # once a step: the weights stay until the step's last backward, so a rerun finds them
+            x = M.recompute_block(partial(TP.block_forward, t["h"][str(i)]), x, self.recompute)
         return TP.head_forward(t["ln_f"], self.head(), x, targets, g, sp) if chunk == self.n_chunks - 1 else x
 
     def units(self):
@@ -642,6 +651,7 @@ def main(argv=None):
     ring = CP.Ring(cp_group, cfg.layout) if mesh.cp > 1 else None
     pos = CP.positions(config.block_size, me.cp, mesh.cp, cfg.layout, device) if ring else None
     stage = Stage(config, me.pp, mesh.pp, cfg.seed, tp_group, sp, v, pos, ring).to(device)
+    stage.recompute = cfg.recompute
     params = list(stage.parameters())
     sharded, replicated = TP.split_params(stage)
     units, buckets = [], None

@@ -524,7 +524,11 @@ def traffic_per_rank(config, cfg, world):
     the ranks; the tests count both exactly.) With b·s tokens a step, h = n_embd, L
     layers and d the compute dtype's bytes (4 float32, 2 bfloat16), what is all-reduced:
       blocks     2 g's forward, 2 f's backward, b·s·h each: 4L, in the compute dtype
-                 (--recompute=full: 6L, backward reruns each block's forward, its g's too)
+                 (--recompute=full: backward reruns each block's forward, and the rerun stops
+                 once it has every tensor backward reads (torch's checkpoint "early stop"): the
+                 block's last g, whose output nothing keeps, is not sent again; so 5L, or with
+                 sequence parallelism 5.5L: the attention's all-gather and reduce-scatter and
+                 the MLP's all-gather again)
       head       its f, backward: 1 more, in the compute dtype (f casts its input first)
       embedding  its g, forward: b·s·h float32 rows, as the one-process run keeps them
       loss       3 all-reduces of b·s float32 numbers (max, target logit, sum of exp)
@@ -544,7 +548,8 @@ def traffic_per_rank(config, cfg, world):
     d = 2 if dtype == "bfloat16" else 4
     ar = 2 * (world - 1) / world  # an all-reduce, or a reduce-scatter plus an all-gather
     L, h, bs = config.n_layer, config.n_embd, cfg.batch_size * config.block_size
-    per_block = 6 if getattr(cfg, "recompute", "none") == "full" else 4
+    rerun = (1.5 if cfg.sequence_parallel else 1) if getattr(cfg, "recompute", "none") == "full" else 0
+    per_block = 4 + rerun
     total = ar * bs * h * ((per_block * L + 1) * d + 4) + 3 * ar * bs * 4 + ar * 4
     if cfg.sequence_parallel:  # LayerNorms (and their biases), row-parallel biases, ln_f, wpe
         per_block, final = (6 * h, 2 * h) if config.bias else (2 * h, h)

@@ -7,7 +7,7 @@ the issue's mesh layouts: dp_shard 2 x tp 2 x pp 2; HSDP (dp_replicate 2 x dp_sh
 dp_shard 2 x cp 2 x tp 2 (zigzag); pp 2 x cp 2 x dp_shard 2 (contiguous); then one bf16 run
 of pp 2 x cp 2 x tp 2 for its bytes. At 4 ranks: HSDP (dp_replicate 2 x dp_shard 2) for 20 steps (the
 schedule's whole warm-up and decay), every pair of the five axes once for 3 steps (ZeRO-1,
-ZeRO-2, bf16 and interleaved among them), exact resumes, the 8-rank checkpoint loaded by
+ZeRO-2, bf16, interleaved and --recompute among them), exact resumes, the 8-rank checkpoint loaded by
 other layouts and strategies, and bad layouts. At 2 ranks
 (quick): dp_shard 2. Every run's bytes per axis are held to axis_bytes (per group and in
 all, nothing sent outside the axes), and its state to state_per_rank.
@@ -48,13 +48,13 @@ PAIRS4 = {  # every pair of the five axes, at 2 x 2, 3 steps each
     "pp x rep": mesh_flags(2, 2, 1, 1, 1, "--n_micro=3"),
     "pp x shard": mesh_flags(2, 1, 2, 1, 1, "--zero_stage=2", "--schedule=interleaved", "--n_micro=2"),
     "pp x cp": mesh_flags(2, 1, 1, 2, 1),
-    "pp x tp": mesh_flags(2, 1, 1, 1, 2, "--sequence_parallel=True"),
+    "pp x tp": mesh_flags(2, 1, 1, 1, 2, "--sequence_parallel=True", "--recompute=gelu"),
     "rep x shard": mesh_flags(1, 2, 2, 1, 1, "--zero_stage=1"),
     "rep x cp": mesh_flags(1, 2, 1, 2, 1),
     "rep x tp": mesh_flags(1, 2, 1, 1, 2, "--overlap=False"),
     "shard x cp": mesh_flags(1, 1, 2, 2, 1, "--layout=contiguous", "--dtype=bfloat16"),
-    "shard x tp": mesh_flags(1, 1, 2, 1, 2),
-    "cp x tp": mesh_flags(1, 1, 1, 2, 2),
+    "shard x tp": mesh_flags(1, 1, 2, 1, 2, "--recompute=full"),  # the rerun's messages counted in axis_bytes
+    "cp x tp": mesh_flags(1, 1, 1, 2, 2, "--recompute=full"),
 }
 # exact resume at the same layout: ZeRO-3's shards and moments gathered into global tensors and
 # cut again; and without a shard axis, the replicas and both tied copies

@@ -72,6 +72,11 @@ def test_losses_and_bytes(results, train_args):
             want = expected(script, extra, mode, 2, train_args)
             for r in records:
                 assert r["act_bytes"] == want, f"{where}, iter {r['iter']}: {r['act_bytes']} bytes, formula {want}"
+            if script in ("tensor_parallel", "context_parallel"):  # full's rerun sends again: counted by the formula
+                strategy = importlib.import_module(script)
+                cfg = M.parse_args(strategy.DEFAULTS, train_args + ARGS + list(extra) + [f"--recompute={mode}"])
+                sent = strategy.traffic_per_rank(CONFIG, cfg, 2)
+                assert all(sum(r["comm_bytes"]) / 2 == pytest.approx(sent, rel=1e-9) for r in records), where
 
 
 def test_expert_parallel_bytes(results):
