@@ -27,6 +27,16 @@ def lanes(events, step=None):
     return out, sorted({e["args"]["step"] for e in spans if e["cat"] == "step"})
 
 
+def fitting(name, cat, pixels):
+    """The span's name if it fits in its bar, else for compute a short form ("forward mb 3
+    chunk 1" -> "F3"), else nothing. About 5 pixels a character at this font size."""
+    if len(name) * 5 < pixels:
+        return name
+    numbers = [w for w in name.split() if w.isdigit()]
+    short = name[0].upper() + (numbers[0] if numbers else "")
+    return short if cat == "compute" and len(short) * 5 < pixels else ""
+
+
 def draw(traces, png, step=None, titles=()):
     """Each trace a panel, one above the other, on one time axis (so two runs compare)."""
     import matplotlib
@@ -52,8 +62,11 @@ def draw(traces, png, step=None, titles=()):
             for start, length, cat, name in sorted(rows.get(lane, []), key=lambda s: s[2] != "compute"):
                 ax.broken_barh([(start - t0, length)], (y - 0.4, 0.8), facecolors=COLOURS.get(cat, "#999999"),
                                edgecolor="white", linewidth=0.3)
-                if length > 0.07 * width:
-                    ax.text(start - t0 + length / 2, y, name, ha="center", va="center", fontsize=7, color="white",
+                inside = cat != "compute" and any(c == "compute" and s0 <= start and start + length <= s0 + d0
+                                                  for s0, d0, c, _ in rows[lane])
+                label = "" if inside else fitting(name, cat, length / width * 850)  # a compute span's label is there
+                if label:
+                    ax.text(start - t0 + length / 2, y, label, ha="center", va="center", fontsize=7, color="white",
                             clip_on=True)
         ax.set_yticks(range(len(order)))
         ax.set_yticklabels([f"rank {r}" if tid == 0 else f"rank {r} async" for r, tid in order], fontsize=8)
