@@ -111,7 +111,8 @@ def ring_forward(q, k, v, ring, clock):
     for step in range(ring.n):
         owner = (ring.me - step) % ring.n  # whose block is in hand
         if step < ring.n - 1:
-            kv_next, handle = shift(kv, ring, f"ring step {step} k/v")  # send_kv to next / recv_kv from prev, behind the attention below
+            # send_kv to next / recv_kv from prev, behind the attention below
+            kv_next, handle = shift(kv, ring, f"ring step {step} k/v")
         plan = block_plan(ring.me, owner, ring.n, ring.layout, length)
         if plan is not None:
             rows, cols, causal = plan
@@ -141,7 +142,8 @@ def ring_backward(dout, q, k, v, out, lse, ring, clock):
     for step in range(ring.n):
         owner = (ring.me - step) % ring.n
         if step < ring.n - 1:
-            kv_next, kv_handle = shift(kv, ring, f"ring step {step} k/v (backward)")  # send_kv / recv_kv again: forward kept no blocks but its own
+            # send_kv / recv_kv again: forward kept no blocks but its own
+            kv_next, kv_handle = shift(kv, ring, f"ring step {step} k/v (backward)")
         part = torch.zeros((2,) + tuple(k.shape), dtype=torch.float32, device=k.device)  # my share of owner's dK, dV
         plan = block_plan(ring.me, owner, ring.n, ring.layout, length)
         if plan is not None:
@@ -159,7 +161,8 @@ def ring_backward(dout, q, k, v, out, lse, ring, clock):
                 with clock("wait"):
                     dkv_handle.wait()
                 part += dkv_in
-            dkv_in, dkv_handle = shift(part, ring, f"ring step {step} dk/dv")  # send_dkv to next / recv_dkv from prev (home at the last step)
+            # send_dkv to next / recv_dkv from prev (home at the last step)
+            dkv_in, dkv_handle = shift(part, ring, f"ring step {step} dk/dv")
         if step < ring.n - 1:
             with clock("wait"):
                 kv_handle.wait()

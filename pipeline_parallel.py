@@ -249,7 +249,8 @@ class Executor:
                     self.exchange(a)
                 continue
             start = M.now(self.device) if stamps is not None else None
-            with M.span(f"{COMPUTE_NAMES[a.kind]} mb {a.micro}" + (f" chunk {a.chunk}" if self.stage.n_chunks > 1 else "")):
+            chunk = f" chunk {a.chunk}" if len(self.stage.chunks) > 1 else ""  # interleaved: which of mine
+            with M.span(f"{COMPUTE_NAMES[a.kind]} mb {a.micro}{chunk}"):
                 {"F": self.forward, "B": self.backward, "W": self.weight_grad}[a.kind](a, batch, train)
             if stamps is not None:
                 stamps.append((start, M.now(self.device)))
