@@ -1060,9 +1060,9 @@ def _compute_span(name):
 
 
 def trace_range(text):
-    a, _, b = text.partition("-")
+    a, dash, b = text.partition("-")
     try:
-        steps = range(int(a), int(b or a) + 1)
+        steps = range(int(a), int(b if dash else a) + 1)
     except ValueError:
         steps = range(0)
     if not steps or steps[0] < 0:

@@ -99,7 +99,8 @@ def test_diagnosis_from_records():
     import collectives as C
     records = {0: {"0": [[0, 1], [[None, "sendrecv", 0, [1], "posted"]]]},
                1: {"0": [[0, 1], [[3, "all_reduce", 64, [0], "posted"]]]}}
-    assert C._diagnosis(records, []) == "rank 0 is waiting in sendrecv with rank 1, which is in all_reduce #3 on [0, 1]"
+    assert C._diagnosis(records, []) == "rank 0 is waiting in sendrecv with rank 1, which is in all_reduce #3 on " \
+        "[0, 1]; rank 0 never posted all_reduce #3 on [0, 1]; rank 1 is waiting in it (rank 0 is in sendrecv on [0, 1])"
     records = {0: {"0": [[0, 1], [[5, "all_reduce", 64, [1], "posted"]]]},
                1: {"0": [[0, 1], [[5, "broadcast", 64, [0], "posted"]]]}}
     assert re.fullmatch(r"rank 0 and rank 1 issued different collectives as #5 on \[0, 1\]: all_reduce and "
