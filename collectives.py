@@ -16,7 +16,9 @@ handle with wait() and is_completed()). src/dst are GLOBAL ranks; op is "sum", "
 Below the fence: init_distributed(timeout_s=None, backend=None) -> (rank, world_size,
 local_rank, device), shutdown(), get_rank/get_world_size/group_ranks(group=None),
 new_group(ranks); bytes_sent(group=None), bytes_by_op(), bytes_by_group(), reset_bytes(),
-untracked(); CommError, a wait that failed, naming the ranks it was waiting for.
+untracked(); CommError, a wait that failed, naming the ranks it was waiting for;
+trace_on(), trace_off() -> spans, labelled(name) (model.py's --trace); flight_record(),
+diagnose(wait_s=None) -> (one line: which rank is behind where, the ranks that answered).
 
 Every algorithm is a list of steps (sends, recvs, then): post the step's messages
 together, wait for them, call then() (say, add what arrived). _run is the one place that

@@ -1172,6 +1172,8 @@ def report_divergence(wait_s=None):
         line, answered = f"(no comparison: {type(e).__name__}: {e})", [C.get_rank()]
     if line and C.get_rank() == min(answered):
         print(f"diagnosis: {line}", file=sys.stderr, flush=True)
+    elif line and "TORCHELASTIC_RUN_ID" in os.environ:
+        time.sleep(2)  # the first rank out ends the job: let the one that prints get there first (see die)
 
 
 class Logger:

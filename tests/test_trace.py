@@ -5,10 +5,11 @@ All in one launch of two ranks, 4 steps each, 2 of them traced."""
 import importlib
 import json
 import os
+import sys
 
 import pytest
 
-from harness import spawn
+from harness import ROOT, spawn
 
 STEPS = ["--max_iters=4", "--eval_interval=0", "--trace_steps=2-3"]  # step 0 and 1 warm up
 # (name, module, flags, names that must appear on both ranks: each a prefix of some span)
@@ -96,3 +97,30 @@ def test_trace_steps_flag(capsys):
         assert e.value.code == 2
         assert capsys.readouterr().err.strip() == \
             f"error: --trace_steps takes A-B (inclusive, A <= B) or one iteration, not {bad!r}"
+
+
+TINY_TRACE = {"traceEvents": [
+    {"name": "step 2", "cat": "step", "ph": "X", "ts": 0, "dur": 900, "pid": r, "tid": 0, "args": {"step": 2}}
+    for r in (0, 1)] + [
+    {"name": "backward", "cat": "compute", "ph": "X", "ts": 0, "dur": 600, "pid": r, "tid": 0, "args": {"step": 2}}
+    for r in (0, 1)] + [
+    {"name": "all_reduce bucket 0 (1.0 MB)", "cat": "comm", "ph": "X", "ts": 300, "dur": 400, "pid": r, "tid": 1,
+     "args": {"step": 2, "op": "all_reduce", "group": [0, 1], "peers": [1 - r], "bytes": 1000000}} for r in (0, 1)],
+    "otherData": {"strategy": "ddp", "world": 2}}
+
+
+@pytest.mark.quick
+def test_timeline(tmp_path, monkeypatch, capsys):
+    """bench/timeline.py draws a trace (when matplotlib is there), and says in one line that it needs it."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import timeline
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(TINY_TRACE))
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
+    with pytest.raises(SystemExit) as e:
+        timeline.main([str(path), "--png", str(tmp_path / "t.png")])
+    assert e.value.code == 1 and len(capsys.readouterr().err.strip().splitlines()) == 1
+    monkeypatch.delitem(sys.modules, "matplotlib")
+    pytest.importorskip("matplotlib")
+    timeline.main([str(path), str(path), "--png", str(tmp_path / "t.png"), "--step=2"])
+    assert (tmp_path / "t.png").stat().st_size > 1000
