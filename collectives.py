@@ -16,7 +16,9 @@ handle with wait() and is_completed()). src/dst are GLOBAL ranks; op is "sum", "
 Below the fence: init_distributed(timeout_s=None, backend=None) -> (rank, world_size,
 local_rank, device), shutdown(), get_rank/get_world_size/group_ranks(group=None),
 new_group(ranks); bytes_sent(group=None), bytes_by_op(), bytes_by_group(), reset_bytes(),
-untracked(); CommError, a wait that failed, naming the ranks it was waiting for.
+untracked(); CommError, a wait that failed, naming the ranks it was waiting for;
+trace_on(), trace_off() -> spans, labelled(name) (model.py's --trace); flight_record(),
+diagnose(wait_s=None) -> (one line: which rank is behind where, the ranks that answered).
 
 Every algorithm is a list of steps (sends, recvs, then): post the step's messages
 together, wait for them, call then() (say, add what arrived). _run is the one place that
@@ -31,6 +33,7 @@ import atexit
 import contextlib
 import datetime
 import functools
+import json
 import math
 import operator
 import os
@@ -455,8 +458,9 @@ def barrier(group=None, timeout_s=None):
             return _store_barrier(ranks, timeout_s)
         _run(_tree_reduce(t, 0, me, n, ranks, torch.add, t), group, block=True, timeout_s=timeout_s)
         _run(_tree_broadcast(t, 0, me, n, ranks), group, block=True, timeout_s=timeout_s)
-    with untracked():
-        _launch("barrier", fn, False, t.device, group)
+    with untracked():  # through the store: no messages on the group, so no number in its flight record
+        _launch("store barrier" if timeout_s is not None and _store is not None else "barrier", fn, False,
+                t.device, group)
 
 
 _store_barriers = defaultdict(int)  # the group's global ranks -> store barriers so far
@@ -697,6 +701,189 @@ def untracked():
     finally:
         _untracked_depth -= 1
 
+# ----------------------------------------------------------------------------- trace and flight recorder
+
+# Tracing (model.py's --trace): while trace_on() holds, every tracked op appends a span to
+# _spans: its op, group, the peers it talked to, the bytes it sent (counted in _post, where
+# comm_bytes is counted, so the two agree to the byte) and its start and end, as CUDA events
+# on a GPU (what the device did, read once a step) or the CPU's clock. An async op's span is
+# where it ran (the group's worker: its own row), and its wait() a second span on the
+# caller's row. Off, _launch reads one flag and does nothing else.
+_tracing = False
+_spans = []    # this rank's spans, in the order they were issued
+_label = None  # the name the caller gives the ops it issues now (model.py's span(name, comm=True))
+
+
+def trace_on():
+    global _tracing
+    _tracing = True
+
+
+def trace_off():
+    """-> the spans recorded since trace_on(), times still as _stamp() made them."""
+    global _tracing
+    _tracing = False
+    with _lock:
+        spans = list(_spans)
+        _spans.clear()
+    return spans
+
+
+@contextlib.contextmanager
+def labelled(name):
+    """The ops issued inside this block are traced as `name` (their op stays in the args)."""
+    global _label
+    outer, _label = _label, name
+    try:
+        yield
+    finally:
+        _label = outer
+
+
+def _stamp(device):
+    if device.type == "cuda":
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()  # on the current stream: the caller's, or the worker's side stream
+        return event
+    return time.perf_counter()
+
+
+def _trace_span(op, group, device, async_op):
+    span = dict(name=_label or op, op=op, cat="comm", row="comm" if async_op else "main", ranks=group_ranks(group),
+                bytes=0, peers=set(), device=device, t0=None, t1=None, posted=_stamp(device) if async_op else None)
+    with _lock:
+        _spans.append(span)
+    return span
+
+
+def _trace_wait(span, device):
+    waited = dict(name=f"wait {span['name']}", op=span["op"], cat="wait", row="main", ranks=span["ranks"],
+                  bytes=0, peers=span["peers"], device=device, t0=_stamp(device), t1=None, posted=None)
+    with _lock:
+        _spans.append(waited)
+    return waited
+
+
+# The flight recorder, as NCCL's: for each group, the last FLIGHT_RECORDS ops this rank issued
+# on it, each [seq, op, group, bytes sent so far, peers, state]. Collectives are numbered per
+# group in issue order, the order every member must issue them in, so #17 on one rank is #17
+# on the others; point-to-point messages (and the store's barrier) are not numbered, as
+# ranks exchange different numbers of them. When a wait fails (CommError) or on Ctrl-C,
+# diagnose() puts the record in the rendezvous store, reads the others' and compares.
+FLIGHT_RECORDS = 16
+_flight = {}                  # the group's name -> (its global ranks, deque of entries), under _lock
+_flight_seq = defaultdict(int)
+_UNNUMBERED = ("send", "recv", "sendrecv", "store barrier")
+_diagnoses = 0                # diagnose() calls so far: each compares under keys of its own
+
+
+def _flight_entry(op, group):
+    pg = _world(group)
+    name = pg.group_name
+    with _lock:
+        if name not in _flight:
+            _flight[name] = (group_ranks(group), deque(maxlen=FLIGHT_RECORDS))
+        seq = None
+        if op not in _UNNUMBERED:
+            seq = _flight_seq[name]
+            _flight_seq[name] += 1
+        entry = [seq, op, name, 0, set(), "posted"]
+        _flight[name][1].append(entry)
+    return entry
+
+
+def flight_record():
+    """-> this rank's record: {group name: [its global ranks, [[seq, op, bytes, peers, state], ...]]}."""
+    with _lock:
+        return {name: [ranks, [[e[0], e[1], e[3], sorted(e[4]), e[5]] for e in ops]]
+                for name, (ranks, ops) in _flight.items()}
+
+
+def diagnose(wait_s=None):
+    """Compare the ranks' flight records: -> (one line saying who is behind where, or "" if
+    nothing is, the ranks that answered). Publishes this rank's record in the rendezvous
+    store and waits up to wait_s (default: --timeout_s, or 30 s) for the others': a rank
+    stuck in another op answers when that op times out in turn; one that never answers
+    (stopped, dead) is named as such."""
+    global _diagnoses
+    store = _store
+    if store is None and _initialized():
+        try:
+            store = dist.distributed_c10d._get_default_store()
+        except Exception:
+            store = None
+    me, world = get_rank(), get_world_size()
+    mine = flight_record()
+    if store is None or world == 1:
+        return _diagnosis({me: mine}, []), [me]
+    key = f"collectives/flight/{_diagnoses}"
+    _diagnoses += 1
+    store.set(f"{key}/{me}", json.dumps(mine))
+    wait_s = wait_s if wait_s is not None else (_timeout_s or 30)
+    deadline, records = time.monotonic() + wait_s, {me: mine}
+    while True:
+        for r in range(world):
+            if r not in records and store.check([f"{key}/{r}"]):
+                records[r] = json.loads(store.get(f"{key}/{r}"))
+        if len(records) == world or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    silent = [r for r in range(world) if r not in records]
+    return _diagnosis(records, silent, wait_s), sorted(records)
+
+
+def _diagnosis(records, silent, wait_s=0):
+    """records: rank -> flight_record(); silent: the ranks that did not answer."""
+    by_ranks = defaultdict(set)
+    for rec in records.values():
+        for name, (ranks, _) in rec.items():
+            by_ranks[tuple(ranks)].add(name)
+
+    def where(name, ranks):
+        return f"{ranks}" + (f" (group {name})" if len(by_ranks[tuple(ranks)]) > 1 else "")
+
+    def waiting(r):
+        return [(name, ranks, e) for name, (ranks, ops) in records[r].items() for e in ops if e[4] == "posted"]
+
+    clauses, never = [], set()
+    for r in sorted(records):
+        for name, ranks, (seq, op, nbytes, peers, _) in waiting(r):
+            if seq is None:  # a message to given peers: what is each of them doing?
+                for j in peers:
+                    if j in silent:
+                        clauses.append(f"rank {j} did not answer within {wait_s:g} s (stopped, or gone); rank {r} "
+                                       f"is waiting for it in {op} on {where(name, ranks)}")
+                    elif j in records:
+                        theirs = [f"{o} " + (f"#{s} " if s is not None else "") + f"on {where(n, rk)}"
+                                  for n, rk, (s, o, *_) in waiting(j)]
+                        clauses.append(f"rank {r} is waiting in {op} with rank {j}, which is "
+                                       + (f"in {', '.join(theirs)}" if theirs else "in no communication"))
+                continue
+            for j in ranks:
+                if j == r:
+                    continue
+                if j in silent:
+                    clauses.append(f"rank {j} did not answer within {wait_s:g} s (stopped, or gone); rank {r} "
+                                   f"is waiting for it in {op} #{seq} on {where(name, ranks)}")
+                    continue
+                ops = records[j].get(name, [ranks, []])[1]
+                numbered = {e[0]: e for e in ops if e[0] is not None}
+                if max(numbered, default=-1) < seq:
+                    aside = [f"{o} on {where(n, rk)}" for n, rk, (s, o, *_) in waiting(j) if s is None]
+                    clauses.append(f"rank {j} never posted {op} #{seq} on {where(name, ranks)}; rank {r} is waiting "
+                                   f"in it" + (f" (rank {j} is in {', '.join(aside)})" if aside else ""))
+                    never.add((j, r))
+                elif seq in numbered and numbered[seq][1] != op:
+                    clauses.append(f"rank {r} and rank {j} issued different collectives as #{seq} on "
+                                   f"{where(name, ranks)}: {op} and {numbered[seq][1]}")
+    if not clauses:
+        return ""
+    line = "; ".join(dict.fromkeys(clauses))
+    if any((r, j) in never for j, r in never):
+        line += ": each waits for the other, so the ranks issue these groups' collectives in different orders"
+    return line
+
+
 # ----------------------------------------------------------------------------- the engine
 
 # For NCCL: batch_isend_irecv is one NCCL group call, so a step's sends and receives start
@@ -719,12 +906,18 @@ def _post(step, group, ranks):
     sends, recvs, _ = step
     posted = [("recv", peer, t) for t, peer in recvs if t.numel()]
     posted += [("send", peer, t) for t, peer in sends if t.numel()]
-    name, tracked = _running.op
+    name, tracked, entry, span = _running.op
+    sent = sum(t.numel() * t.element_size() for t, _ in sends)
     if tracked:
-        sent = sum(t.numel() * t.element_size() for t, _ in sends)
         with _lock:
             _bytes[name] += sent
             _group_bytes[tuple(ranks)] += sent
+    if entry is not None:  # the flight record: what this op has put on the wire so far, and to whom
+        entry[3] += sent
+        entry[4].update(peer for _, peer, _ in posted)
+    if span is not None:
+        span["bytes"] += sent
+        span["peers"].update(peer for _, peer, _ in posted)
     messages = [(kind, peer, t.numel() * t.element_size()) for kind, peer, t in posted]
     try:  # gloo refuses to post to a peer it already gave up on (a closed pair)
         ops = [dist.P2POp(dist.irecv if kind == "recv" else dist.isend, t, peer, _world(group))
@@ -804,19 +997,23 @@ def _is_nccl(group):
 # order on each rank.
 
 class Handle:
-    def __init__(self, fn, device):
+    def __init__(self, fn, device, span=None):
         self._fn, self._device, self._done, self._error, self._event = fn, device, threading.Event(), None, None
+        self._span = span  # tracing: the op's span, so that the wait can be traced beside it
 
     def is_completed(self):
         return self._done.is_set() and (self._event is None or self._event.query())
 
     def wait(self):
+        waited = _trace_wait(self._span, self._device) if self._span is not None else None
         self._done.wait()
         if self._error is not None:
             raise self._error
         if self._event is not None:
             torch.cuda.current_stream(self._device).wait_event(self._event)
-        self._fn = None  # held the tensors until the caller's stream was ordered after the op
+        if waited is not None:
+            waited["t1"] = _stamp(self._device)  # on a GPU: when the caller's stream got past the op
+        self._fn = self._span = None  # held the tensors until the caller's stream was ordered after the op
         return True
 
 
@@ -836,31 +1033,38 @@ def _key(group):
     return _world(group) if _initialized() else None
 
 
-def _execute(name, tracked, fn):
+def _execute(name, tracked, fn, entry=None, span=None):
     # The op's name is kept even when untracked, for CommError. Thread-local, as the workers
     # and the caller each run ops (never two of one group at once: a sync op runs inline only
     # when none of its group is queued). no_grad: grad mode is per thread, and without it a
     # sync op queued behind async ones (so run by a worker, where grad mode is on) would record
     # autograd history on tensors that require grad, and the same op run inline would not.
-    _running.op = (name, tracked)
+    _running.op = (name, tracked, entry, span)
     try:
+        if span is not None:
+            span["t0"] = _stamp(span["device"])
         with torch.no_grad():
-            return fn()
+            out = fn()
+        if span is not None:
+            span["t1"] = _stamp(span["device"])
+        if entry is not None:
+            entry[5] = "done"
+        return out
     finally:
         _running.op = None
 
 
-def _run_job(streams, name, tracked, fn, device, ready, handle):
+def _run_job(streams, name, tracked, fn, device, ready, handle, entry, span):
     try:
         if ready is None:
-            _execute(name, tracked, fn)
+            _execute(name, tracked, fn, entry, span)
             return
         if device not in streams:
             streams[device] = torch.cuda.Stream(device)
         stream = streams[device]
         with torch.cuda.device(device), torch.cuda.stream(stream):
             stream.wait_event(ready)
-            _execute(name, tracked, fn)
+            _execute(name, tracked, fn, entry, span)  # its span's CUDA events on this side stream
             handle._event = torch.cuda.Event()
             handle._event.record(stream)
     except BaseException as e:  # raised again at wait()
@@ -873,7 +1077,7 @@ def _work_loop(worker):
         job = worker.queue.get()
         if job is None:
             return
-        handle = job[-1]
+        handle = job[5]
         _run_job(streams, *job)
         # Drop the op (its closure holds its tensors) now, not when the next job arrives:
         # FSDP's last reduce-scatter input would otherwise outlive the optimizer step.
@@ -904,6 +1108,8 @@ def _launch(name, fn, async_op, device, group=None):
     """Run fn now, or hand it to the group's worker; traffic is charged to `name` unless untracked()."""
     tracked = _untracked_depth == 0  # decided when the op is issued, not when it runs
     key = _key(group)
+    entry = _flight_entry(name, group) if key is not None and name != "drain" else None
+    span = _trace_span(name, group, device, async_op) if _tracing and tracked and name != "drain" else None
     with _lock:
         worker = _workers.get(key)
         inline = not async_op and (worker is None or worker.pending == 0)
@@ -912,13 +1118,13 @@ def _launch(name, fn, async_op, device, group=None):
                 worker = _workers[key] = _Worker(key)
             worker.pending += 1
     if inline:
-        return _execute(name, tracked, fn)
+        return _execute(name, tracked, fn, entry, span)
     ready = None
     if device.type == "cuda":
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(device))
-    handle = Handle(fn, device)
-    worker.queue.put((name, tracked, fn, device, ready, handle))
+    handle = Handle(fn, device, span if async_op else None)
+    worker.queue.put((name, tracked, fn, device, ready, handle, entry, span))
     if async_op:
         return handle
     handle.wait()

@@ -93,11 +93,13 @@ class Ring:
         self.next, self.prev = ranks[(self.me + 1) % self.n], ranks[(self.me - 1) % self.n]
 
 
-def shift(t, ring):
+def shift(t, ring, name):
     """One hop around the ring, started now: send t to the next rank, receive the
-    previous rank's tensor of the same shape. -> (the buffer receiving it, handle)."""
+    previous rank's tensor of the same shape. -> (the buffer receiving it, handle).
+    name: what the trace calls it, "ring step 1 k/v" (and the MB are added)."""
     incoming = torch.empty_like(t)
-    return incoming, C.sendrecv(t, ring.next, incoming, ring.prev, group=ring.group, async_op=True)
+    with M.span(f"{name} ({t.numel() * t.element_size() / 1e6:.1f} MB)", comm=True):
+        return incoming, C.sendrecv(t, ring.next, incoming, ring.prev, group=ring.group, async_op=True)
 
 
 def ring_forward(q, k, v, ring, clock):
@@ -109,7 +111,8 @@ def ring_forward(q, k, v, ring, clock):
     for step in range(ring.n):
         owner = (ring.me - step) % ring.n  # whose block is in hand
         if step < ring.n - 1:
-            kv_next, handle = shift(kv, ring)  # send_kv to next / recv_kv from prev, behind the attention below
+            # send_kv to next / recv_kv from prev, behind the attention below
+            kv_next, handle = shift(kv, ring, f"ring step {step} k/v")
         plan = block_plan(ring.me, owner, ring.n, ring.layout, length)
         if plan is not None:
             rows, cols, causal = plan
@@ -139,7 +142,8 @@ def ring_backward(dout, q, k, v, out, lse, ring, clock):
     for step in range(ring.n):
         owner = (ring.me - step) % ring.n
         if step < ring.n - 1:
-            kv_next, kv_handle = shift(kv, ring)  # send_kv / recv_kv again: forward kept no blocks but its own
+            # send_kv / recv_kv again: forward kept no blocks but its own
+            kv_next, kv_handle = shift(kv, ring, f"ring step {step} k/v (backward)")
         part = torch.zeros((2,) + tuple(k.shape), dtype=torch.float32, device=k.device)  # my share of owner's dK, dV
         plan = block_plan(ring.me, owner, ring.n, ring.layout, length)
         if plan is not None:
@@ -157,7 +161,8 @@ def ring_backward(dout, q, k, v, out, lse, ring, clock):
                 with clock("wait"):
                     dkv_handle.wait()
                 part += dkv_in
-            dkv_in, dkv_handle = shift(part, ring)  # send_dkv to next / recv_dkv from prev (home at the last step)
+            # send_dkv to next / recv_dkv from prev (home at the last step)
+            dkv_in, dkv_handle = shift(part, ring, f"ring step {step} dk/dv")
         if step < ring.n - 1:
             with clock("wait"):
                 kv_handle.wait()
@@ -331,14 +336,16 @@ def main(argv=None):
         x, y = M.batch(run, it)  # every row of the global batch...
         x, y = x[:, pos], y[:, pos]  # ...at this rank's positions
         counting, saved = M.saved_bytes(params) if not cfg.compile else (nullcontext(), {})
-        with run.autocast, counting:
+        with M.span("forward"), run.autocast, counting:
             loss = step_forward(model, x, y, pos, cfg.recompute)
-        loss.backward()  # the ring runs again, backward, inside
-        if flat is not None:
-            C.all_reduce(flat, op="avg", group=group)  # the replicated weights' gradients, once a step
-        # after the all-reduce every rank holds the same gradients, so the local norm is the global norm
-        norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip) if cfg.grad_clip else 0.0
-        optimizer.step()
+        with M.span("backward"):
+            loss.backward()  # the ring runs again, backward, inside
+        with M.span("optimizer"):
+            if flat is not None:
+                C.all_reduce(flat, op="avg", group=group)  # the replicated weights' gradients, once a step
+            # after the all-reduce every rank holds the same gradients, so the local norm is the global norm
+            norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip) if cfg.grad_clip else 0.0
+            optimizer.step()
         # ---------------------------------------------------------------- end of the training step
         ms = clock.take_ms()
         grads = [flat] if flat is not None else [p.grad for p in params]

@@ -105,8 +105,13 @@ class GradBuckets:
         # rank must issue its all-reduces in the same order, or rank 0's bucket 3
         # meets rank 1's bucket 2 and the ring exchanges the wrong data (or hangs)
         while self.launched < len(self.buffers) and self.ready[self.launched] == self.sizes[self.launched]:
-            self.handles.append(C.all_reduce(self.buffers[self.launched], op="avg", group=self.group, async_op=True))
+            with M.span(self.name(self.launched), comm=True):
+                self.handles.append(C.all_reduce(self.buffers[self.launched], op="avg", group=self.group,
+                                                 async_op=True))
             self.launched += 1
+
+    def name(self, b):  # what the trace calls bucket b's all-reduce
+        return f"all_reduce bucket {b} ({self.buffers[b].numel() * self.buffers[b].element_size() / 1e6:.1f} MB)"
 
     def reduce(self):
         """After backward: every bucket averaged over the ranks, on return."""
@@ -116,8 +121,9 @@ class GradBuckets:
                 h.wait()
             self.handles = []
         else:
-            for flat in self.buffers:
-                C.all_reduce(flat, op="avg", group=self.group)
+            for b, flat in enumerate(self.buffers):
+                with M.span(self.name(b), comm=True):
+                    C.all_reduce(flat, op="avg", group=self.group)
 
 
 def compile_blocks(model, **options):
@@ -195,11 +201,12 @@ def main(argv=None):
                 buckets.sync = m == cfg.grad_accum - 1
             x, y = M.batch(run, it, "train", m, cfg.grad_accum, rank, world)
             counting, saved = M.saved_bytes(params) if not cfg.compile else (nullcontext(), {})
-            with run.autocast, counting:
+            with M.span("forward"), run.autocast, counting:
                 _, micro_loss = step_model(x, y)
             act = max(act, sum(saved.values()))  # what this micro-step's backward will read
             # the mean over the global batch; plus, with --n_expert, the load-balancing loss (0.0 if dense)
-            ((micro_loss + M.moe_loss(model)) / cfg.grad_accum).backward()
+            with M.span("backward"):
+                ((micro_loss + M.moe_loss(model)) / cfg.grad_accum).backward()
             loss += micro_loss.detach() / cfg.grad_accum
         t_comm = M.now(device)
         if buckets:
@@ -208,8 +215,9 @@ def main(argv=None):
             all_reduce_each(params, group)
         exposed = M.now(device)  # communication that backward did not hide: from here back to t_comm
         # after the all-reduce every rank holds the same gradients, so the local norm is the global norm
-        norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip) if cfg.grad_clip else 0.0
-        optimizer.step()
+        with M.span("optimizer"):
+            norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip) if cfg.grad_clip else 0.0
+            optimizer.step()
         # ---------------------------------------------------------------- end of the training step
         grads = buckets.buffers if buckets else [p.grad for p in params]
         state = M.tensor_bytes(params) + M.tensor_bytes(grads) + M.optimizer_state_bytes(optimizer)

@@ -125,30 +125,32 @@ class _AllToAll(torch.autograd.Function):
     Backward sends the gradients of the arrived rows back: the same exchange reversed."""
 
     @staticmethod
-    def forward(ctx, x, recv, send, group):
-        ctx.recv, ctx.send, ctx.group = recv, send, group
+    def forward(ctx, x, recv, send, group, name):
+        ctx.recv, ctx.send, ctx.group, ctx.name = recv, send, group, name
         out = x.new_empty(sum(recv), *x.shape[1:])
-        C.all_to_all(out, x.contiguous(), recv, send, group=group)
+        with M.span(f"all_to_all {name}", comm=True):
+            C.all_to_all(out, x.contiguous(), recv, send, group=group)
         return out
 
     @staticmethod
     def backward(ctx, grad):
         out = grad.new_empty(sum(ctx.send), *grad.shape[1:])
-        C.all_to_all(out, grad.contiguous(), ctx.send, ctx.recv, group=ctx.group)
-        return out, None, None, None
+        with M.span(f"all_to_all {ctx.name} (backward)", comm=True):
+            C.all_to_all(out, grad.contiguous(), ctx.send, ctx.recv, group=ctx.group)
+        return out, None, None, None, None
 
 
 @torch.compiler.disable
 def dispatch(rows, send, recv, group=None):
     """Each rank's chosen rows to the ranks holding their experts: send[j] rows to rank j,
     recv[i] arriving from rank i."""
-    return _AllToAll.apply(rows, recv, send, group)
+    return _AllToAll.apply(rows, recv, send, group, "dispatch")
 
 
 @torch.compiler.disable
 def combine(rows, send, recv, group=None):
     """The experts' outputs home: dispatch's exchange reversed (send, recv as dispatch's)."""
-    return _AllToAll.apply(rows, send, recv, group)
+    return _AllToAll.apply(rows, send, recv, group, "combine")
 
 
 class _GatherRows(torch.autograd.Function):
@@ -288,14 +290,16 @@ def main(argv=None):
         optimizer.zero_grad(set_to_none=True)
         x, y = M.batch(run, it, "train", 0, 1, rank, world)
         counting, saved = M.saved_bytes(model.parameters()) if not cfg.compile else (nullcontext(), {})
-        with run.autocast, counting:
+        with M.span("forward"), run.autocast, counting:
             _, loss = step_model(x, y)
-        (loss + M.moe_loss(model)).backward()  # the experts' gradients arrive through the all-to-alls
-        all_reduce_replicated(replicated, group)
-        for p in experts:  # the sum over every rank's mean -> the gradient of the global mean
-            p.grad.div_(world)
-        norm = clip_global_norm(replicated, experts, cfg.grad_clip, group) if cfg.grad_clip else 0.0
-        optimizer.step()
+        with M.span("backward"):
+            (loss + M.moe_loss(model)).backward()  # the experts' gradients arrive through the all-to-alls
+        with M.span("optimizer"):
+            all_reduce_replicated(replicated, group)
+            for p in experts:  # the sum over every rank's mean -> the gradient of the global mean
+                p.grad.div_(world)
+            norm = clip_global_norm(replicated, experts, cfg.grad_clip, group) if cfg.grad_clip else 0.0
+            optimizer.step()
         # ---------------------------------------------------------------- end of the training step
         state = M.tensor_bytes(p for _, p in named) + M.tensor_bytes(p.grad for _, p in named) \
             + M.optimizer_state_bytes(optimizer)

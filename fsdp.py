@@ -84,22 +84,23 @@ def zero3_forward(net, idx, gathers, kept=None, skip=None):
     with torch.no_grad():
         h = ends.run(full, idx)
     free(full)
-    for u in net.units[1:]:
+    for k, u in enumerate(net.units[1:]):
         full = gathers.take(u)
         gathers.prefetch()
-        if kept is None or net.recompute == "full":
-            if kept is not None:
-                kept.append((h, None, None))
-            with torch.no_grad():
-                h = u.run(full, h)
-        else:
-            h_in, w = leaf(h), [leaf(t) for t in full]
-            ptrs = {t.untyped_storage().data_ptr() for t in full}
-            skip.update(ptrs)
-            out = M.recompute_block(partial(u.run, w), h_in, net.recompute)
-            skip.difference_update(ptrs)
-            kept.append((h_in, out, w))
-            h = out.detach()
+        with M.span(f"forward block {k}"):
+            if kept is None or net.recompute == "full":
+                if kept is not None:
+                    kept.append((h, None, None))
+                with torch.no_grad():
+                    h = u.run(full, h)
+            else:
+                h_in, w = leaf(h), [leaf(t) for t in full]
+                ptrs = {t.untyped_storage().data_ptr() for t in full}
+                skip.update(ptrs)
+                out = M.recompute_block(partial(u.run, w), h_in, net.recompute)
+                skip.difference_update(ptrs)
+                kept.append((h_in, out, w))
+                h = out.detach()
         free(full)
     return h
 
@@ -126,7 +127,7 @@ def zero3_micro_step(net, x, y, scale):
     gh, *g_ends = torch.autograd.grad(loss * scale, [h, *full])
     free(full)
     reducing = None
-    for u, (h_in, out, w) in zip(reversed(blocks), reversed(kept)):
+    for k, u, (h_in, out, w) in zip(reversed(range(len(blocks))), reversed(blocks), reversed(kept)):
         full = [leaf(t) for t in gathers.take(u)]
         if w is not None:  # the kept graph: its weights' memory, freed after forward, filled again
             refill(w, full)
@@ -134,11 +135,12 @@ def zero3_micro_step(net, x, y, scale):
             full = w
             net.live.allocated(w)
         gathers.prefetch()  # the next blocks' all-gathers travel while this one computes
-        if out is None:  # full: recompute, with autograd this time
-            h_in = leaf(h_in)
-            with net.autocast:
-                out = u.run(full, h_in)
-        gh, *g = torch.autograd.grad(out, [h_in, *full], gh)
+        with M.span(f"backward block {k}"):
+            if out is None:  # full: recompute, with autograd this time
+                h_in = leaf(h_in)
+                with net.autocast:
+                    out = u.run(full, h_in)
+            gh, *g = torch.autograd.grad(out, [h_in, *full], gh)
         free(full)
         add_reduced(reducing)  # the previous block's reduce-scatter, done while this one computed
         reducing = reduce_scatter_grad(u, g, net.group)
@@ -235,7 +237,8 @@ class Gathers:
         u = self.todo.popleft()
         full = u.empty_full()
         self.net.live.allocated(full)
-        self.ahead.append((u, full, u.all_gather(full, self.net.group, async_op=True)))
+        with M.span(f"all_gather {u.name}", comm=True):
+            self.ahead.append((u, full, u.all_gather(full, self.net.group, async_op=True)))
 
 
 def reduce_scatter_grad(u, grads, group):
@@ -246,7 +249,8 @@ def reduce_scatter_grad(u, grads, group):
     for g in grads:
         g = g.float()  # a bf16 part's gradient is summed over ranks in fp32
         out = torch.empty(g.numel() // C.get_world_size(group), device=g.device)
-        pending.append((out, g, C.reduce_scatter(out, g, op="avg", group=group, async_op=True)))
+        with M.span(f"reduce_scatter {u.name}", comm=True):
+            pending.append((out, g, C.reduce_scatter(out, g, op="avg", group=group, async_op=True)))
     return u, pending
 
 
@@ -277,17 +281,19 @@ def zero12_micro_step(net, x, y, scale):
     with net.autocast, counting:
         with torch.no_grad():
             h = ends.run(ends.full, x)
-        for u in blocks:
+        for k, u in enumerate(blocks):
             h_in, w = leaf(h), [leaf(t) for t in u.full]
-            out = M.recompute_block(partial(u.run, w), h_in, net.recompute)
+            with M.span(f"forward block {k}"):
+                out = M.recompute_block(partial(u.run, w), h_in, net.recompute)
             saved.append((h_in, w, out))
             h = out.detach()
         h, w_ends = leaf(h), [leaf(t) for t in ends.full]
         loss = ends.run(w_ends, h, y)
     gh, *g_ends = torch.autograd.grad(loss * scale, [h, *w_ends])
     reducing = None
-    for u, (h_in, w, out) in zip(reversed(blocks), reversed(saved)):
-        gh, *g = torch.autograd.grad(out, [h_in, *w], gh)
+    for k, u, (h_in, w, out) in zip(reversed(range(len(blocks))), reversed(blocks), reversed(saved)):
+        with M.span(f"backward block {k}"):
+            gh, *g = torch.autograd.grad(out, [h_in, *w], gh)
         if net.stage == 1:
             for full_grad, gi in zip(u.full_grad, g):
                 full_grad += gi  # in fp32
@@ -423,6 +429,7 @@ class Unit:
     def __init__(self, module, prefix, layout, group, device, stage):
         rank, self.world = C.get_rank(group), C.get_world_size(group)
         self.prefix, self.layout = prefix, layout
+        self.name = prefix[len("transformer."):].rstrip(".") or "ends"  # the trace's: "h.3", or the ends
         self.starts = [rank * size for _, _, size, _ in layout.parts]  # where this rank's shard begins in each part
         flats = layout.flatten(module, self.world)
         self.full = [f.to(device, dtype) for f, (dtype, *_) in zip(flats, layout.parts)] if stage < 3 else []
@@ -548,8 +555,9 @@ def main(argv=None):
             for g in u.grads:
                 g.zero_()
         loss, act = zero3_step(net, run, it) if stage == 3 else zero12_step(net, run, it)
-        norm = clip_grad_shards(units, cfg.grad_clip, group) if cfg.grad_clip else 0.0
-        optimizer.step()  # on this rank's shards only
+        with M.span("optimizer"):
+            norm = clip_grad_shards(units, cfg.grad_clip, group) if cfg.grad_clip else 0.0
+            optimizer.step()  # on this rank's shards only
         if stage < 3:
             gather_full_weights(net)  # every rank needs every unit's updated weights again
         # ---------------------------------------------------------------- end of the training step

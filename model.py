@@ -844,6 +844,8 @@ TRAIN_DEFAULTS = dict(
     resume="",              # "" start afresh | latest (newest in --out_dir, or afresh) | a checkpoint folder
     save_path="",           # where rank 0 saves the final full state_dict (torch.save), if set
     timeout_s=300,          # a collective that waits longer than this ends the run, naming whom it waited for
+    trace="",               # write a Chrome trace (Perfetto, chrome://tracing) of every rank to this file
+    trace_steps="2-4",      # the iterations it records: A-B (inclusive) or one number; warm-up stays out
     peak_flops=0.0,         # overrides the device's peak for MFU
     n_expert=0,             # mixture of experts: E experts in each MLP's place (0: dense); ddp.py, expert_parallel.py
     top_k=2,                # experts each token goes to
@@ -956,8 +958,10 @@ def check_flags(cfg):
     if cfg.ckpt_interval and not cfg.out_dir:
         die("--ckpt_interval needs --out_dir, where the checkpoints go")
     # an output that cannot be written fails now, not after hours of training
+    if cfg.trace:
+        cfg.trace_range = trace_range(cfg.trace_steps)
     for flag, path, is_dir in (("log_file", cfg.log_file, False), ("save_path", cfg.save_path, False),
-                               ("out_dir", cfg.out_dir, True)):
+                               ("out_dir", cfg.out_dir, True), ("trace", cfg.trace, False)):
         if path:
             folder = path if is_dir else (os.path.dirname(os.path.abspath(path)))
             try:
@@ -1005,6 +1009,7 @@ class Run:
     log: object = None            # restore(): rank 0's Logger
     record: dict = None           # begin_iter(): this iteration's log record, being filled
     t0: object = None             # begin_iter(): the step's start on the device's clock
+    trace: list = field(default_factory=list)  # --trace: this rank's trace events so far
 
 
 def start(cfg, strategy, moe=False):
@@ -1067,6 +1072,8 @@ def begin_iter(run, it, evaluate):
     run.record["lr"] = get_lr(it, cfg)
     set_lr(run.optimizer, run.record["lr"])
     C.reset_bytes()
+    if cfg.trace and it in cfg.trace_range:
+        trace_begin(run)
     run.t0 = now(run.device)
 
 
@@ -1084,6 +1091,8 @@ def end_iter(run, loss, state_bytes, grad_norm=0.0, loss_ranks=None, axes=None, 
         stats[f"comm_bytes_{name}"] = C.bytes_sent(group)
     if run.device.type == "cuda":
         stats["peak_bytes"] = torch.cuda.max_memory_allocated(run.device)
+    if _tracer is not None:
+        trace_end(run, it)
     if checkpoint_due(cfg, it + 1):
         stats["ckpt_ms"], stats["ckpt_bytes"] = save_checkpoint(run, it + 1)
     rows = C.gather_stats(stats)  # name -> one value per rank, on rank 0
@@ -1097,6 +1106,8 @@ def end_iter(run, loss, state_bytes, grad_norm=0.0, loss_ranks=None, axes=None, 
             if name != "loss":
                 run.record[name] = [int(v) if name.endswith("bytes") or float(v).is_integer() else v for v in values]
     run.log(run.record)
+    if cfg.trace and it == min(cfg.trace_range[-1], cfg.max_iters - 1):
+        write_trace(run)
 
 
 def finish(run):
@@ -1147,6 +1158,123 @@ def elapsed(t0, t1):
     return t0.elapsed_time(t1) / 1000
 
 
+# -----------------------------------------------------------------------------
+# the trace: --trace=FILE records the steps --trace_steps of every rank, and rank 0 writes
+# them as one Chrome trace (the JSON of chrome://tracing, which ui.perfetto.dev opens as
+# it is): a process per rank, its compute and its waits on one row, the communication that
+# runs asynchronously (the group's worker) on a second. The strategies mark their compute
+# with `with M.span(name):` and name the messages they send with span(name, comm=True);
+# collectives.py traces every op. Off, span() returns a shared no-op context, no clock read.
+# On a GPU the spans are CUDA events, converted once a step (on one clock: the host's at
+# the step's start); on the CPU, time.perf_counter, which every process of a machine shares
+# (ranks on several machines would be offset by their clocks' difference).
+
+_tracer = None  # while a traced step runs: (its compute spans, the device, the clock's base)
+_NO_SPAN = nullcontext()
+
+
+def span(name, comm=False):
+    """with M.span("backward"): a compute span on this rank's row of the trace. comm=True: no
+    span of its own; the communication issued inside is traced under `name`."""
+    if _tracer is None:
+        return _NO_SPAN
+    return C.labelled(name) if comm else _compute_span(name)
+
+
+@contextmanager
+def _compute_span(name):
+    spans, device, _ = _tracer
+    s = dict(name=name, cat="compute", row="main", t0=now(device), bytes=0)
+    spans.append(s)
+    try:
+        yield
+    finally:
+        s["t1"] = now(device)
+
+
+def trace_range(text):
+    a, dash, b = text.partition("-")
+    try:
+        steps = range(int(a), int(b if dash else a) + 1)
+    except ValueError:
+        steps = range(0)
+    if not steps or steps[0] < 0:
+        die(f"--trace_steps takes A-B (inclusive, A <= B) or one iteration, not {text!r}")
+    return steps
+
+
+def trace_begin(run):
+    global _tracer
+    base = None
+    if run.device.type == "cuda":  # one point known on both clocks: the host's now and an event
+        torch.cuda.synchronize(run.device)
+        base = (time.perf_counter(), now(run.device))
+    _tracer = ([], run.device, base)
+    C.trace_on()
+
+
+def trace_end(run, it):
+    """The step's spans (compute and communication) -> Chrome trace events in run.trace."""
+    global _tracer
+    comm = C.trace_off()
+    spans, device, base = _tracer
+    _tracer = None
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+    def us(t):  # a stamp from now() or collectives' _stamp -> microseconds on the host's clock
+        return 1e6 * (t if isinstance(t, float) else base[0] + base[1].elapsed_time(t) / 1000)
+
+    step_end = now(device)
+    spans = [dict(name=f"step {it}", cat="step", row="main", t0=run.t0, t1=step_end, bytes=0)] + spans + comm
+    for s in spans:
+        ts = us(s["t0"])
+        event = dict(name=s["name"], cat=s["cat"], ph="X", ts=round(ts, 3), dur=round(max(0.0, us(s["t1"]) - ts), 3),
+                     pid=run.rank, tid=1 if s["row"] == "comm" else 0, args=dict(step=it))
+        if s["cat"] != "compute" and s["cat"] != "step":
+            event["args"].update(op=s["op"], group=s["ranks"], peers=sorted(s["peers"]), bytes=s["bytes"])
+            if s.get("posted") is not None:
+                event["args"]["posted_us"] = round(us(s["posted"]), 3)
+        run.trace.append(event)
+
+
+def write_trace(run):
+    """Every rank's events to rank 0 (one gather, padded to the longest), which writes the file."""
+    data = json.dumps(run.trace).encode()
+    size = torch.tensor([len(data)], device=run.device)
+    with C.untracked():
+        if run.world > 1:
+            C.all_reduce(size, op="max")
+        mine = torch.zeros(int(size.item()), dtype=torch.uint8, device=run.device)
+        mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        every = torch.empty(run.world * mine.numel(), dtype=torch.uint8, device=run.device) if run.rank == 0 else None
+        if run.world > 1:
+            C.gather(every, mine, dst=0)
+        else:
+            every = mine
+    run.trace = []
+    if run.rank != 0:
+        return
+    events = []
+    for r, row in enumerate(every.view(run.world, -1).cpu()):
+        events += json.loads(row.numpy().tobytes().rstrip(b"\0").decode())
+        events += [dict(name="process_name", ph="M", pid=r, args=dict(name=f"rank {r}")),
+                   dict(name="process_sort_index", ph="M", pid=r, args=dict(sort_index=r)),
+                   dict(name="thread_name", ph="M", pid=r, tid=0, args=dict(name="compute and waits")),
+                   dict(name="thread_name", ph="M", pid=r, tid=1, args=dict(name="communication (async)"))]
+    start = min((e["ts"] for e in events if "ts" in e), default=0.0)
+    for e in events:
+        if "ts" in e:
+            e["ts"] = round(e["ts"] - start, 3)
+            if "posted_us" in e["args"]:
+                e["args"]["posted_us"] = round(e["args"]["posted_us"] - start, 3)
+    with open(run.cfg.trace, "w") as f:
+        json.dump(dict(traceEvents=events, displayTimeUnit="ms",
+                       otherData=dict(strategy=run.strategy, world=run.world, steps=list(run.cfg.trace_range))), f)
+    print(f"trace: {run.cfg.trace} ({len(events)} events, steps {run.cfg.trace_steps}; open it in ui.perfetto.dev)",
+          flush=True)
+
+
 def main_guard(main):
     """A strategy's command-line entry: a communication timeout or Ctrl-C ends the job
     with one line, not a traceback from every rank."""
@@ -1157,10 +1285,28 @@ def main_guard(main):
         if rank == 0:
             print("interrupted" + (f"; the last checkpoint is {_last_saved}" if _last_saved else ""),
                   file=sys.stderr, flush=True)
+        report_divergence(wait_s=INTERRUPT_WAIT_S)
         os._exit(130)  # now: the other ranks are going too, so no collective may run at exit
     except C.CommError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
+        report_divergence()
         os._exit(1)
+
+
+INTERRUPT_WAIT_S = 3  # after Ctrl-C every rank is stopping: a short wait for the others' records
+
+
+def report_divergence(wait_s=None):
+    """The ranks that can still talk compare their last collectives (collectives.diagnose);
+    the lowest of them prints the one line saying which rank is behind where."""
+    try:
+        line, answered = C.diagnose(wait_s)
+    except Exception as e:  # the store itself gone: the job is ending anyway
+        line, answered = f"(no comparison: {type(e).__name__}: {e})", [C.get_rank()]
+    if line and C.get_rank() == min(answered):
+        print(f"diagnosis: {line}", file=sys.stderr, flush=True)
+    elif line and "TORCHELASTIC_RUN_ID" in os.environ:
+        time.sleep(2)  # the first rank out ends the job: let the one that prints get there first (see die)
 
 
 class Logger:

@@ -246,10 +246,13 @@ class Executor:
         self.split = any(isinstance(a, Compute) and a.kind == "W" for a in actions)  # B leaves the weights' to W
         for a in actions:
             if isinstance(a, Exchange):
-                self.exchange(a)
+                with M.span(exchange_name(a), comm=True):
+                    self.exchange(a)
                 continue
             start = M.now(self.device) if stamps is not None else None
-            {"F": self.forward, "B": self.backward, "W": self.weight_grad}[a.kind](a, batch, train)
+            chunk = f" chunk {a.chunk}" if len(self.stage.chunks) > 1 else ""  # interleaved: which of mine
+            with M.span(f"{COMPUTE_NAMES[a.kind]} mb {a.micro}{chunk}"):
+                {"F": self.forward, "B": self.backward, "W": self.weight_grad}[a.kind](a, batch, train)
             if stamps is not None:
                 stamps.append((start, M.now(self.device)))
         return self.losses
@@ -312,6 +315,15 @@ class Executor:
         # of B's work is not
         inp, out, _, grad = self.held.pop((a.chunk, a.micro))
         torch.autograd.backward(out, grad, inputs=[p for p in self.params if p.requires_grad])
+
+COMPUTE_NAMES = {"F": "forward", "B": "backward", "W": "weight_grad"}
+
+
+def exchange_name(a):
+    """The trace's name for an exchange: "send_forward mb 3 + recv_backward mb 1"."""
+    sends = [f"send_{'forward' if m.kind == 'act' else 'backward'} mb {m.micro}" for m, _ in a.sends]
+    recvs = [f"recv_{'forward' if m.kind == 'act' else 'backward'} mb {m.micro}" for m, _ in a.recvs]
+    return " + ".join(sends + recvs)
 
 # -----------------------------------------------------------------------------
 # after the pipeline drains: the tie, the norm
@@ -474,9 +486,10 @@ def main(argv=None):
         optimizer.zero_grad(set_to_none=True)
         stamps = []  # around each compute: the measured bubble, and --timeline
         losses = executor.run(train_plan, partial(M.batch, run, it, "train", n_micro=n_micro), stamps=stamps)
-        sum_tied_grads(stage, group)
-        norm = clip_global_norm(stage, cfg.grad_clip, group)
-        optimizer.step()
+        with M.span("optimizer"):
+            sum_tied_grads(stage, group)
+            norm = clip_global_norm(stage, cfg.grad_clip, group)
+            optimizer.step()
         # ---------------------------------------------------------------- end of the training step
         times = action_times(stamps, device)
         if cfg.timeline and it == cfg.max_iters - 1:

@@ -64,7 +64,8 @@ class _CopyToParallelRegion(torch.autograd.Function):
     def backward(ctx, grad):
         # in place, as Megatron does: grad is the dX that the matmul behind f (c_attn,
         # c_fc, the head) has just made, and nothing else holds it
-        C.all_reduce(grad, group=ctx.group)
+        with M.span("all_reduce f (backward)", comm=True):
+            C.all_reduce(grad, group=ctx.group)
         return grad, None
 
 
@@ -76,7 +77,8 @@ class _ReduceFromParallelRegion(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group):
-        C.all_reduce(x, group=group)  # in place: x is the matmul's fresh output
+        with M.span("all_reduce g (forward)", comm=True):
+            C.all_reduce(x, group=group)  # in place: x is the matmul's fresh output
         ctx.mark_dirty(x)
         return x
 
@@ -94,13 +96,15 @@ class _GatherFromSequenceParallelRegion(torch.autograd.Function):
     def forward(ctx, x, group):
         ctx.group = group
         out = x.new_empty((C.get_world_size(group) * x.shape[0], *x.shape[1:]))
-        C.all_gather(out, x, group=group)
+        with M.span("all_gather f (forward)", comm=True):
+            C.all_gather(out, x, group=group)
         return out
 
     @staticmethod
     def backward(ctx, grad):
         out = grad.new_empty((grad.shape[0] // C.get_world_size(ctx.group), *grad.shape[1:]))
-        C.reduce_scatter(out, grad, group=ctx.group)
+        with M.span("reduce_scatter f (backward)", comm=True):
+            C.reduce_scatter(out, grad, group=ctx.group)
         return out, None
 
 
@@ -113,13 +117,15 @@ class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
     def forward(ctx, x, group):
         ctx.group = group
         out = x.new_empty((x.shape[0] // C.get_world_size(group), *x.shape[1:]))
-        C.reduce_scatter(out, x, group=group)
+        with M.span("reduce_scatter g (forward)", comm=True):
+            C.reduce_scatter(out, x, group=group)
         return out
 
     @staticmethod
     def backward(ctx, grad):
         out = grad.new_empty((C.get_world_size(ctx.group) * grad.shape[0], *grad.shape[1:]))
-        C.all_gather(out, grad, group=ctx.group)
+        with M.span("all_gather g (backward)", comm=True):
+            C.all_gather(out, grad, group=ctx.group)
         return out, None
 
 
@@ -476,17 +482,19 @@ def main(argv=None):
         optimizer.zero_grad(set_to_none=True)
         x, y = M.batch(run, it)  # the whole global batch on every rank: the ranks split the model, not the data
         counting, saved = M.saved_bytes(params) if not cfg.compile else (nullcontext(), {})
-        with run.autocast, counting:
+        with M.span("forward"), run.autocast, counting:
             loss = step_forward(model, x, y, group, sp, config.dropout, cfg.recompute)
-        loss.backward()
+        with M.span("backward"):
+            loss.backward()
         # Without sequence parallelism the replicas need nothing: their inputs are
         # replicated (outputs of g) and so are the gradients that reach them (f's
         # all-reduce hands every rank the same sum), so every rank computes the same
         # gradient, takes the same AdamW step, and the copies never drift apart.
-        if sp:
-            sum_replicated_grads(replicated, group)
-        norm = clip_global_norm(sharded, replicated, cfg.grad_clip, group) if cfg.grad_clip else 0.0
-        optimizer.step()
+        with M.span("optimizer"):
+            if sp:
+                sum_replicated_grads(replicated, group)
+            norm = clip_global_norm(sharded, replicated, cfg.grad_clip, group) if cfg.grad_clip else 0.0
+            optimizer.step()
         # ---------------------------------------------------------------- end of the training step
         state = M.tensor_bytes(params) + M.tensor_bytes(p.grad for p in params) + M.optimizer_state_bytes(optimizer)
         run.record["sequence_parallel"] = sp

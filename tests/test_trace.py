@@ -1,0 +1,126 @@
+"""--trace: every strategy at 2 ranks writes one Chrome trace that parses, has both ranks'
+rows, names its spans as the code does, and whose communication adds up to the log's
+comm_bytes, byte for byte; ddp.py's exposed_comm_ms is what the trace shows after backward.
+All in one launch of two ranks, 4 steps each, 2 of them traced."""
+import importlib
+import json
+import os
+import sys
+
+import pytest
+
+from harness import ROOT, spawn
+
+STEPS = ["--max_iters=4", "--eval_interval=0", "--trace_steps=2-3"]  # step 0 and 1 warm up
+# (name, module, flags, names that must appear on both ranks: each a prefix of some span)
+RUNS = [("ddp overlap", "ddp", ["--bucket_mb=0.25"], ["forward", "backward", "optimizer", "all_reduce bucket 0 (",
+                                                      "wait all_reduce bucket 0 ("]),
+        ("fsdp zero3", "fsdp", [], ["forward block 0", "backward block 1", "all_gather h.0", "reduce_scatter h.1",
+                                    "optimizer"]),
+        ("tensor sequence parallel", "tensor_parallel", ["--sequence_parallel=True"],
+         ["forward", "all_gather f (forward)", "reduce_scatter g (forward)", "reduce_scatter f (backward)"]),
+        ("tensor parallel", "tensor_parallel", [], ["all_reduce g (forward)", "all_reduce f (backward)"]),
+        ("pipeline 1f1b", "pipeline_parallel", ["--schedule=1f1b", "--n_micro=4"],
+         ["forward mb 0", "backward mb 3", "optimizer"]),
+        ("context zigzag", "context_parallel", ["--layout=zigzag"],
+         ["ring step 0 k/v (", "ring step 1 dk/dv (", "wait ring step 0 k/v"]),
+        ("experts", "expert_parallel", ["--n_expert=4", "--top_k=2"],
+         ["all_to_all dispatch", "all_to_all combine", "all_to_all dispatch (backward)"])]
+# the pipeline's messages differ by stage: rank 0 sends forward, rank 1 sends backward
+PER_RANK = {"pipeline 1f1b": (["send_forward mb 0"], ["send_backward mb 0"])}
+
+
+def _run_all(rank, world, args, out):
+    import collectives as C
+    import model as M
+    logs = {}
+    for name, module, flags, _ in RUNS:
+        path = os.path.join(out, name.replace(" ", "_"))
+        logs[name] = importlib.import_module(module).main(
+            args + STEPS + flags + [f"--trace={path}.json", f"--log_file={path}.jsonl"])
+    # off, nothing is timed: no clock read, no span kept
+    stamp, C._stamp = C._stamp, None  # a call would raise
+    try:
+        importlib.import_module("ddp").main(args + ["--max_iters=2", "--eval_interval=0", "--bucket_mb=0.25"])
+    finally:
+        C._stamp = stamp
+    return logs, C._spans == [] and not C._tracing and M._tracer is None
+
+
+def test_every_strategy_traces(train_args, tmp_path):
+    logs, quiet = spawn(_run_all, 2, train_args, str(tmp_path), timeout=600)[0]
+    assert quiet, "a run without --trace recorded something"
+    for name, _, _, names in RUNS:
+        path = tmp_path / name.replace(" ", "_")
+        trace = json.loads((path.with_suffix(".json")).read_text())
+        records = [json.loads(line) for line in path.with_suffix(".jsonl").read_text().splitlines()]
+        spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+        assert {e["pid"] for e in spans} == {0, 1}, name
+        assert all(e["dur"] >= 0 and e["ts"] >= 0 for e in spans), name
+        meta = {(e["pid"], e["name"]) for e in trace["traceEvents"] if e["ph"] == "M"}
+        assert {(r, "process_name") for r in (0, 1)} <= meta, name
+        for r in (0, 1):
+            mine = [e for e in spans if e["pid"] == r]
+            assert sorted(e["args"]["step"] for e in mine if e["cat"] == "step") == [2, 3], name
+            for want in names + PER_RANK.get(name, ([], []))[r]:
+                assert any(e["name"].startswith(want) for e in mine), f"{name}: no span {want!r} on rank {r}"
+            for step in (2, 3):
+                comm = [e for e in mine if e["cat"] == "comm" and e["args"]["step"] == step]
+                assert all({"op", "group", "peers", "bytes"} <= set(e["args"]) for e in comm), name
+                # the trace agrees with the log, to the byte
+                assert sum(e["args"]["bytes"] for e in comm) == records[step]["comm_bytes"][r], (name, r, step)
+        if name == "ddp overlap":  # async buckets: on the second row, each with its wait on the first
+            assert any(e["tid"] == 1 and e["cat"] == "comm" for e in spans) and any(e["cat"] == "wait" for e in spans)
+    # ddp's exposed communication: from the end of backward to the end of the last wait
+    for name in ("ddp overlap",):
+        path = tmp_path / name.replace(" ", "_")
+        spans = [e for e in json.loads(path.with_suffix(".json").read_text())["traceEvents"] if e["ph"] == "X"]
+        records = [json.loads(line) for line in path.with_suffix(".jsonl").read_text().splitlines()]
+        for r in (0, 1):
+            for step in (2, 3):
+                mine = [e for e in spans if e["pid"] == r and e["args"]["step"] == step]
+                end_backward = max(e["ts"] + e["dur"] for e in mine if e["name"] == "backward")
+                waits = [e for e in mine if e["tid"] == 0 and e["cat"] in ("wait", "comm")]
+                shown = (max(e["ts"] + e["dur"] for e in waits) - end_backward) / 1000
+                logged = records[step]["exposed_comm_ms"][r]
+                # the same interval, stamped a few instructions apart (a clock read, a return)
+                assert abs(shown - logged) < 0.5 + 0.02 * logged, (name, r, step, shown, logged)
+
+
+@pytest.mark.quick
+def test_trace_steps_flag(capsys):
+    import model as M
+    assert list(M.trace_range("2-4")) == [2, 3, 4] and list(M.trace_range("7")) == [7]
+    for bad in ("4-2", "x", "-1", "2-"):
+        with pytest.raises(SystemExit) as e:
+            M.trace_range(bad)
+        assert e.value.code == 2
+        assert capsys.readouterr().err.strip() == \
+            f"error: --trace_steps takes A-B (inclusive, A <= B) or one iteration, not {bad!r}"
+
+
+TINY_TRACE = {"traceEvents": [
+    {"name": "step 2", "cat": "step", "ph": "X", "ts": 0, "dur": 900, "pid": r, "tid": 0, "args": {"step": 2}}
+    for r in (0, 1)] + [
+    {"name": "backward", "cat": "compute", "ph": "X", "ts": 0, "dur": 600, "pid": r, "tid": 0, "args": {"step": 2}}
+    for r in (0, 1)] + [
+    {"name": "all_reduce bucket 0 (1.0 MB)", "cat": "comm", "ph": "X", "ts": 300, "dur": 400, "pid": r, "tid": 1,
+     "args": {"step": 2, "op": "all_reduce", "group": [0, 1], "peers": [1 - r], "bytes": 1000000}} for r in (0, 1)],
+    "otherData": {"strategy": "ddp", "world": 2}}
+
+
+@pytest.mark.quick
+def test_timeline(tmp_path, monkeypatch, capsys):
+    """bench/timeline.py draws a trace (when matplotlib is there), and says in one line that it needs it."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import timeline
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(TINY_TRACE))
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
+    with pytest.raises(SystemExit) as e:
+        timeline.main([str(path), "--png", str(tmp_path / "t.png")])
+    assert e.value.code == 1 and len(capsys.readouterr().err.strip().splitlines()) == 1
+    monkeypatch.delitem(sys.modules, "matplotlib")
+    pytest.importorskip("matplotlib")
+    timeline.main([str(path), str(path), "--png", str(tmp_path / "t.png"), "--step=2"])
+    assert (tmp_path / "t.png").stat().st_size > 1000
