@@ -25,7 +25,9 @@ RUNS = [("ddp overlap", "ddp", ["--bucket_mb=0.25"], ["forward", "backward", "op
         ("context zigzag", "context_parallel", ["--layout=zigzag"],
          ["ring step 0 k/v (", "ring step 1 dk/dv (", "wait ring step 0 k/v"]),
         ("experts", "expert_parallel", ["--n_expert=4", "--top_k=2"],
-         ["all_to_all dispatch", "all_to_all combine", "all_to_all dispatch (backward)"])]
+         ["all_to_all dispatch", "all_to_all combine", "all_to_all dispatch (backward)"]),
+        ("mesh tp", "parallel_nd", ["--dp_replicate=1", "--tp=2"],  # the pieces' spans, on the mesh's groups
+         ["forward mb 0", "backward mb 0", "all_reduce g (forward)", "all_reduce f (backward)"])]
 # the pipeline's messages differ by stage: rank 0 sends forward, rank 1 sends backward
 PER_RANK = {"pipeline 1f1b": (["send_forward mb 0"], ["send_backward mb 0"])}
 
