@@ -202,7 +202,7 @@ def axis_messages(config, cfg, mesh):
     # --recompute=full: backward reruns each block's forward, which stops once it has what
     # backward reads (torch's checkpoint "early stop"): the ring again, and every tp message
     # but the block's last g (an all-reduce; with sequence parallelism a reduce-scatter)
-    rerun = cfg.recompute == "full"
+    rerun = getattr(cfg, "recompute", "none") == "full"  # (a plan's cfg may not say)
     region = "rs_ag" if sp else "all_reduce"  # f and g: the same bytes either way
     kv = 2 * b * s * h // tp  # K and V of one rank's positions and heads
     out = []
