@@ -1268,9 +1268,11 @@ def write_trace(run):
             e["ts"] = round(e["ts"] - start, 3)
             if "posted_us" in e["args"]:
                 e["args"]["posted_us"] = round(e["args"]["posted_us"] - start, 3)
-    with open(run.cfg.trace, "w") as f:
+    tmp = run.cfg.trace + ".tmp"  # written, then renamed: a reader never sees half a trace
+    with open(tmp, "w") as f:
         json.dump(dict(traceEvents=events, displayTimeUnit="ms",
                        otherData=dict(strategy=run.strategy, world=run.world, steps=list(run.cfg.trace_range))), f)
+    os.replace(tmp, run.cfg.trace)
     print(f"trace: {run.cfg.trace} ({len(events)} events, steps {run.cfg.trace_steps}; open it in ui.perfetto.dev)",
           flush=True)
 
