@@ -335,7 +335,7 @@ def main(argv=None):
             optimizer.zero_grad(set_to_none=True)
         x, y = M.batch(run, it)  # every row of the global batch...
         x, y = x[:, pos], y[:, pos]  # ...at this rank's positions
-        counting, saved = M.saved_bytes(params) if not cfg.compile else (nullcontext(), {})
+        counting, saved = M.saved_bytes(params, on=not cfg.compile)
         with M.span("forward"), run.autocast, counting:
             loss = step_forward(model, x, y, pos, cfg.recompute)
         with M.span("backward"):

@@ -26,7 +26,6 @@ the last: the same bytes per step, k times the tokens.
 --n_expert=E trains model.py's mixture of experts with every expert replicated;
 its one-process run is the reference that expert_parallel.py reproduces.
 """
-from contextlib import nullcontext
 
 import torch
 
@@ -200,7 +199,7 @@ def main(argv=None):
             if buckets:  # communicate only after the last micro-step: one all-reduce serves them all
                 buckets.sync = m == cfg.grad_accum - 1
             x, y = M.batch(run, it, "train", m, cfg.grad_accum, rank, world)
-            counting, saved = M.saved_bytes(params) if not cfg.compile else (nullcontext(), {})
+            counting, saved = M.saved_bytes(params, on=not cfg.compile)
             with M.span("forward"), run.autocast, counting:
                 _, micro_loss = step_model(x, y)
             act = max(act, sum(saved.values()))  # what this micro-step's backward will read

@@ -28,7 +28,6 @@ through these exchanges from every rank's tokens, so it is never all-reduced; th
 replicated weights' gradients are averaged with one all-reduce a step.
 traffic_per_rank() gives the bytes; the log adds the experts' loads and the drops.
 """
-from contextlib import nullcontext
 
 import torch
 
@@ -289,7 +288,7 @@ def main(argv=None):
         # ---------------------------------------------------------------- the training step
         optimizer.zero_grad(set_to_none=True)
         x, y = M.batch(run, it, "train", 0, 1, rank, world)
-        counting, saved = M.saved_bytes(model.parameters()) if not cfg.compile else (nullcontext(), {})
+        counting, saved = M.saved_bytes(model.parameters(), on=not cfg.compile)
         with M.span("forward"), run.autocast, counting:
             _, loss = step_model(x, y)
         with M.span("backward"):

@@ -29,7 +29,6 @@ shards as ("flat", start, stop) pieces of the global parameters, so any strategy
 """
 import weakref
 from collections import deque
-from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
 
@@ -112,7 +111,7 @@ def zero3_micro_step(net, x, y, scale):
     ends, blocks = net.units[0], net.units[1:]
     gathers = Gathers([ends, *blocks, ends, *reversed(blocks)], net)  # the order the units compute in
     kept, skip = [], set()
-    counting, saved = M.saved_bytes([], skip) if net.count_saved else (nullcontext(), {})
+    counting, saved = M.saved_bytes([], skip, on=net.count_saved)
     with net.autocast, counting:
         h = leaf(zero3_forward(net, x, gathers, kept, skip))
         # the head: forward and backward at once, on one gather of the ends
@@ -277,7 +276,7 @@ def zero12_micro_step(net, x, y, scale):
     fp32 gradient, reduce-scattered once per step."""
     ends, blocks = net.units[0], net.units[1:]
     saved = []
-    counting, kept = M.saved_bytes([t for u in net.units for t in u.full]) if net.count_saved else (nullcontext(), {})
+    counting, kept = M.saved_bytes([t for u in net.units for t in u.full], on=net.count_saved)
     with net.autocast, counting:
         with torch.no_grad():
             h = ends.run(ends.full, x)

@@ -505,12 +505,14 @@ def _unpack_gelu(saved):
     return F.gelu(x, approximate=approximate).as_strided(size, stride, offset)
 
 
-def saved_bytes(params, skip=None):
+def saved_bytes(params, skip=None, on=True):
     """A context that counts the bytes autograd keeps for backward (the activations),
     leaving out the parameters, which it saves by reference. -> (context, dict
     storage -> bytes): with counting: ...; sum(saved.values()). skip: a set of storages
     (data_ptr) not to count either, which the caller may change as it goes (fsdp.py's
     ZeRO-3 adds each block's gathered weights while the block computes)."""
+    if not on:  # --compile (compiled graphs take no saved-tensor hooks), or a pass not counted: a no-op
+        return nullcontext(), {}
     skip = set() if skip is None else skip
     skip.update(p.untyped_storage().data_ptr() for p in params)
     seen = {}

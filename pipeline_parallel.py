@@ -277,7 +277,7 @@ class Executor:
         last = c == stage.n_chunks - 1
         x, y = batch(k) if c == 0 or last else (None, None)  # the middle needs no tokens
         inp = x if c == 0 else self.mail.pop(Message("act", c - 1, k)).requires_grad_(train)
-        counting, saved = M.saved_bytes(self.params) if train and self.count_saved else (nullcontext(), {})
+        counting, saved = M.saved_bytes(self.params, on=train and self.count_saved)
         with self.autocast, counting:
             out = self.model(inp, y, chunk=c)
         if last:

@@ -28,7 +28,6 @@ the residual adds treat each token alone: g becomes a reduce-scatter and f an
 all-gather (backward, each is the other), the same bytes and N times smaller LayerNorm
 and dropout activations. traffic_per_rank() derives the bytes.
 """
-from contextlib import nullcontext
 from functools import partial
 
 import torch
@@ -481,7 +480,7 @@ def main(argv=None):
         # ---------------------------------------------------------------- the training step
         optimizer.zero_grad(set_to_none=True)
         x, y = M.batch(run, it)  # the whole global batch on every rank: the ranks split the model, not the data
-        counting, saved = M.saved_bytes(params) if not cfg.compile else (nullcontext(), {})
+        counting, saved = M.saved_bytes(params, on=not cfg.compile)
         with M.span("forward"), run.autocast, counting:
             loss = step_forward(model, x, y, group, sp, config.dropout, cfg.recompute)
         with M.span("backward"):
