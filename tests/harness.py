@@ -10,8 +10,14 @@ Two ways in:
       (a list indexed by rank). fn must be a module-level function. The N ranks
       are started once per world size and reused by later calls (see _pools), so
       fn must leave no state behind that a later call would trip on.
+  refusals(module, world_size, args)  runs module.main(args) on the pooled ranks, each
+      expected to stop with SystemExit: returns each rank's (exit code, what it printed
+      to stderr). Bad input must be refused on every rank before any communication, so
+      this is the whole check, at the cost of a function call instead of a launch.
   torchrun(script, nproc, args)  runs a real script under torchrun, as a user
-      would; returns the CompletedProcess (stdout, stderr, returncode).
+      would; returns the CompletedProcess (stdout, stderr, returncode). Kept for what
+      only the launcher shows (a restart, Ctrl-C, the rank that exits first ending the
+      job, no traceback reaching the user): each launch costs 8-20 s on 2 cores.
 Plus read_log / assert_logs_match for the per-iteration JSON logs.
 """
 import json
@@ -119,6 +125,43 @@ def spawn(fn, world_size, *args, timeout=120, fresh=False):
     if errors:
         raise AssertionError(f"rank {errors[0][0]} failed:\n{errors[0][1]}")
     return [results[r] for r in range(world_size)]
+
+
+def refuse(module, args):
+    """module.main(args) in this process (a rank of a pool, usually), expected to stop with
+    SystemExit: -> (exit code, stderr text); the code is None if it ran to the end instead."""
+    import contextlib
+    import importlib
+    import io
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        try:
+            importlib.import_module(module).main(list(args))
+        except SystemExit as e:
+            return e.code, err.getvalue()
+    return None, err.getvalue()
+
+
+def _refuse(rank, world_size, module, args):
+    return refuse(module, args)
+
+
+def refusals(module, world_size, args, timeout=120):
+    """module.main(args) on world_size pooled ranks: -> [(exit code or None if it ran to
+    the end, stderr text), ...] by rank. model.die prints on rank 0 only (or the rank that
+    alone sees the problem), so every rank's code and only one rank's line are checked."""
+    return spawn(_refuse, world_size, module, args, timeout=timeout)
+
+
+def assert_refused(results, must_say, printer=0):
+    """Every rank stopped with exit code 2; `printer` printed one line, `error: ...must_say...`,
+    and the others nothing: the verdict a user sees once, whichever rank they read."""
+    for rank, (code, err) in enumerate(results):
+        assert code == 2, f"rank {rank}: exit code {code}, stderr {err[-2000:]!r}"
+        if rank == printer:
+            assert err.count("\n") == 1 and err.startswith("error: ") and must_say in err, f"rank {rank}: {err!r}"
+        else:
+            assert err == "", f"rank {rank} printed too: {err!r}"
 
 
 def torchrun(script, nproc, args=(), timeout=120, env=None, extra=()):

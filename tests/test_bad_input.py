@@ -158,6 +158,11 @@ def test_the_line_arrives_when_the_printing_rank_is_late(case, good_data, tmp_pa
     errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
     assert r.returncode != 0 and len(errors) == 1 and must_say in errors[0], r.stderr[-3000:]
     assert "exitcode  : 2" in r.stderr, r.stderr[-3000:]  # torchrun's root cause: the rank that printed
+    # torchrun reports a failed rank with a traceback of its own (ChildFailedError): the only
+    # one allowed. The strategies' own refusals are tested in the pool (harness.refusals):
+    # these launches are where the user's view of one is checked.
+    assert all("ChildFailedError" in t for t in r.stderr.split("Traceback (most recent call last)")[1:]), r.stderr
+    assert not any(f'{name}.py", line' in r.stderr for name in ("ddp", "model", "collectives")), r.stderr[-3000:]
 
 
 def test_a_timeout_names_the_peer_under_torchrun(good_data):
