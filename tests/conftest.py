@@ -73,6 +73,20 @@ def reference_short(train_args, tmp_path_factory):
     return records, torch.load(path)
 
 
+# bf16 autocast on a CPU without bf16 units costs ~10 float32 matmuls: every file's bf16 runs
+# are short and small, and share this one-process run as their reference
+BF16_ARGS = ["--dtype=bfloat16", "--batch_size=8", "--max_iters=4", "--eval_interval=0"]
+
+
+@pytest.fixture(scope="session")
+def reference_bf16(train_args):
+    """The one-process bf16 autocast run of ddp.py (TRAIN_ARGS, then BF16_ARGS): its records."""
+    import torch
+    import ddp
+    torch.set_num_threads(1)
+    return ddp.main(train_args + BF16_ARGS)
+
+
 @pytest.fixture(scope="session")
 def reference(train_args, tmp_path_factory):
     """The one-process run of ddp.py: (per-iteration log records, final state_dict)."""
@@ -83,3 +97,15 @@ def reference(train_args, tmp_path_factory):
     path = str(out / "state.pt")
     records = ddp.main(train_args + [f"--save_path={path}", f"--log_file={out / 'log.jsonl'}"])
     return records, torch.load(path)
+
+
+def pytest_collection_modifyitems(config, items):
+    """The quick tier's spine (tests/test_quick.py: every strategy at 2 ranks, 4 steps) runs
+    when the quick tier is asked for (-m quick) or the file is named; the whole suite leaves
+    it out, since each strategy's own file proves all it does, and more (25 s saved)."""
+    if "quick" in (config.getoption("markexpr") or "") or any("test_quick" in a for a in config.args):
+        return
+    spine = [item for item in items if item.path.name == "test_quick.py"]
+    if spine:
+        config.hook.pytest_deselected(items=spine)
+        items[:] = [item for item in items if item.path.name != "test_quick.py"]

@@ -22,8 +22,8 @@ import torch
 import collectives as C
 import model as M
 import pipeline_parallel as PP
-from harness import spawn, torchrun, python, read_log, assert_logs_match, assert_states_match
-from conftest import SHORT_STEPS, VOCAB
+from harness import spawn, refusals, assert_refused, python, read_log, assert_logs_match, assert_states_match
+from conftest import BF16_ARGS, SHORT_STEPS, VOCAB
 
 # (schedule, m, steps). With one micro-batch GPipe and 1F1B are the same list of actions
 # (checked on paper below), so 1F1B's m=1 run would repeat GPipe's. Every run costs steps on
@@ -42,7 +42,6 @@ RESUMED = ("zb", 2, 6)  # at 2 stages: checkpointed at step AT and resumed
 CROSS = ("interleaved", 2, 6)  # at 2 stages: its step-AT checkpoint loads into 1F1B at 3
 BATCH, BLOCK = 24, 32  # of conftest.TRAIN_ARGS
 # bf16 on a CPU is slow (no bf16 matmul units): a short run of small batches
-BF16_ARGS = ["--dtype=bfloat16", "--batch_size=8", "--max_iters=4", "--eval_interval=0"]
 # measured: the pipeline drifts from the one-process bf16 run by up to 1.5e-4 in these 4
 # steps (1.8e-4 in 20 steps of the full batch); a bug (a gradient missing, a wrong
 # micro-batch scale) moves the loss by 1e-3 or more
@@ -409,15 +408,13 @@ def test_resume_is_exact(runs):
     assert any("val_loss" in r for r in resumed)  # the last step's validation, compared too
 
 
-def test_bf16_sends_float32_and_follows_the_reference(runs, train_args):
+def test_bf16_sends_float32_and_follows_the_reference(runs, train_args, reference_bf16):
     """--dtype=bfloat16: the boundaries still carry float32 (the residual stream is float32
     under autocast), so the bytes are the formula's, and the loss follows the one-process
     bf16 run of ddp.py within bf16's rounding. With one micro-batch the first step computes
     exactly what the one-process run does; a bf16 boundary would halve the bytes and move
     that loss by 1.4e-5 (measured)."""
-    import ddp
-    with contextlib.redirect_stdout(io.StringIO()):
-        ref = ddp.main(train_args + BF16_ARGS)
+    ref = reference_bf16
     config, cfg = M.make_config("tiny", VOCAB, block_size=BLOCK), M.parse_args(PP.DEFAULTS, train_args + BF16_ARGS)
     for m in (1, 4):
         records = runs(2)[("bf16", m)]
@@ -440,10 +437,6 @@ def test_one_process_reproduces_reference(train_args, reference_short, tmp_path)
 
 
 @pytest.mark.quick
-def test_torchrun_bad_batch_fails_cleanly(train_args):
-    r = torchrun("pipeline_parallel.py", 2, train_args + ["--n_micro=5"], timeout=120)
-    assert r.returncode != 0
-    # one line, from rank 0 only; torchrun prints a traceback of its own when a child
-    # fails, but none may come from our code
-    assert r.stderr.count("error: --batch_size=24 does not divide into --n_micro=5 micro-batches") == 1
-    assert not any(f'{name}.py", line' in r.stderr for name in ("pipeline_parallel", "model", "collectives"))
+def test_bad_batch_fails_on_every_rank(train_args):
+    assert_refused(refusals("pipeline_parallel", 2, train_args + ["--n_micro=5"]),
+                   "--batch_size=24 does not divide into --n_micro=5 micro-batches")
