@@ -83,8 +83,9 @@ def _cases(op, S, n, rank, device):
             "gather": (lambda: C.gather(full, part, 0), lambda: dist.gather(part, pieces, dst=0), ring)}[op]
 
 
-def main():
-    p = argparse.ArgumentParser(description="hand-written collectives against torch.distributed's own")
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="collectives_bench.py",
+                                description="hand-written collectives against torch.distributed's own")
     p.add_argument("--sizes", type=_sizes, default="4K,64K,1M,16M,64M")
     p.add_argument("--max_size", type=_size, default="64M")
     p.add_argument("--iters", type=_count, default=10)
@@ -95,7 +96,7 @@ def main():
     for knob in KNOBS:  # --segment_bytes=4M and so on, to measure the choices in collectives.py
         p.add_argument("--" + knob.lower(), type=_count if knob == "PIPELINE_DEPTH" else _size,
                        default=getattr(C, knob))
-    args = p.parse_args()  # before any process group: a bad flag fails every rank at once
+    args = p.parse_args(argv)  # before any process group: a bad flag fails every rank at once
     for knob in KNOBS:
         setattr(C, knob, getattr(args, knob.lower()))
     warnings.filterwarnings("ignore", category=FutureWarning)  # all_gather_into_tensor & co. on torch >= 2.12

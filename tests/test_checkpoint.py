@@ -36,6 +36,11 @@ def _main(name, args):
     return importlib.import_module(MODULES[name]).main(args)
 
 
+def _train_ddp(rank, world, args):
+    import ddp
+    ddp.main(args)
+
+
 def _write(rank, world, train_args, out):
     return {name: _main(name, train_args + CKPT_ARGS + [f"--out_dir={out}/{name}{world}"]) for name in WRITERS[world]}
 
@@ -153,24 +158,31 @@ def test_latest_is_rank_0s_choice_on_every_rank(tmp_path):
     assert chosen == [str(tmp_path / "step_000008")] * 2
 
 
+def run_sample(args, capsys):
+    """sample.py's main(args) in this process (the command line's code, without a launch): -> (stdout, stderr)."""
+    import sample
+    capsys.readouterr()
+    sample.main(args)
+    return capsys.readouterr()
+
+
 @pytest.mark.quick
-def test_sample_decodes_characters(tmp_path):
+def test_sample_decodes_characters(tmp_path, capsys):
     """A model trained on data/prepare.py's characters samples text in those characters:
     the vocabulary travels in the checkpoint's manifest."""
+    import data.prepare
     import ddp
     text = "".join(f"ROMEO: line {i} of the play, and JULIET answers.\n" for i in range(400))
     (tmp_path / "play.txt").write_text(text)
-    r = python("data/prepare.py", ["--input", str(tmp_path / "play.txt"), "--tokenizer=char",
-                                   "--out_dir", str(tmp_path / "chars")], timeout=120)
-    assert r.returncode == 0, r.stderr
+    assert data.prepare.main(["--input", str(tmp_path / "play.txt"), "--tokenizer=char",
+                              "--out_dir", str(tmp_path / "chars")]) == 0
     ddp.main(["--model=tiny", "--block_size=16", "--batch_size=4", "--max_iters=2", "--eval_interval=0",
               f"--data_dir={tmp_path / 'chars'}", f"--out_dir={tmp_path / 'out'}", "--log_interval=0"])
-    r = python("sample.py", [f"--out_dir={tmp_path / 'out'}", "--start=ROMEO:", "--num_samples=1",
-                             "--max_new_tokens=40", "--device=cpu"], timeout=120)
-    assert r.returncode == 0, r.stderr
-    sample = r.stdout.split("---------------")[0].rstrip("\n")
-    assert sample.startswith("ROMEO:") and len(sample) == len("ROMEO:") + 40, sample
-    assert set(sample) <= set(text)
+    out, _ = run_sample([f"--out_dir={tmp_path / 'out'}", "--start=ROMEO:", "--num_samples=1",
+                         "--max_new_tokens=40", "--device=cpu"], capsys)
+    sample_text = out.split("---------------")[0].rstrip("\n")
+    assert sample_text.startswith("ROMEO:") and len(sample_text) == len("ROMEO:") + 40, sample_text
+    assert set(sample_text) <= set(text)
 
 
 def test_sample_from_a_checkpoint(written):
@@ -187,12 +199,12 @@ def test_sample_from_a_checkpoint(written):
 def test_a_killed_rank_restarts_and_finishes_the_same(train_args, tmp_path):
     """torchrun --max_restarts=1: rank 1 is SIGKILLed at iteration 6, after the checkpoint
     of step 4; every rank restarts, resumes from step 4, and ends on the same losses as
-    a run that was never killed. TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: on torch 2.13 with
-    gloo a restarted attempt sometimes cannot reconnect to a store shared with the agent."""
+    a run that was never killed (on the harness's two ranks: the same code, threads and gloo
+    as torchrun's, so the same bits, without a second launch). TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1:
+    on torch 2.13 with gloo a restarted attempt sometimes cannot reconnect to a store shared
+    with the agent."""
     args = train_args + ["--max_iters=8", "--eval_interval=0", "--ckpt_interval=4", "--resume=latest"]
-    whole = torchrun("ddp.py", 2, args + [f"--out_dir={tmp_path}/whole", f"--log_file={tmp_path}/whole.jsonl"],
-                     timeout=300)
-    assert whole.returncode == 0, whole.stderr[-2000:]
+    spawn(_train_ddp, 2, args + [f"--out_dir={tmp_path}/whole", f"--log_file={tmp_path}/whole.jsonl"], timeout=300)
     env = dict(CRASH_AT="6", CRASH_RANK="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
     crashed = torchrun("tests/crash_once.py", 2, ["ddp.py"] + args + [f"--out_dir={tmp_path}/crashed",
                                                                       f"--log_file={tmp_path}/crashed.jsonl"],
