@@ -26,7 +26,8 @@ experts on the choices routed to them, and a reduce-scatter sums the partial out
 back to their ranks; backward, the same pair reversed. An expert's gradient arrives
 through these exchanges from every rank's tokens, so it is never all-reduced; the
 replicated weights' gradients are averaged with one all-reduce a step.
-traffic_per_rank() gives the bytes; the log adds the experts' loads and the drops.
+traffic_per_rank() gives the bytes sent, activation_per_rank() those autograd keeps; the log
+adds the experts' loads and the drops.
 """
 
 import torch
