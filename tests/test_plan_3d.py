@@ -165,7 +165,8 @@ def test_fp32_activations_equal_the_measured():
                                                                precision="fp32"), mode
 
 
-def test_state_per_rank_is_parallel_nd_s_with_context_parallelism():
+@pytest.mark.quick
+def test_zero_shards_over_dp_shard_as_parallel_nd():
     """The planner shards ZeRO over dp_shard alone, as parallel_nd.py does (its cp ranks hold the
     same parameters and all-reduce their gradients): for layouts with cp > 1, the planner's state on
     each stage's rank, by ZeRO stage, equals parallel_nd.state_per_rank (what the tests of
