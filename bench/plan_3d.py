@@ -28,8 +28,8 @@ The model:
   compute  (6N + 12·L·h·s) FLOPs a token (model.flops_per_token), the recomputed forward's on top, at
            `eff` of the dense peak, plus each layer's HBM traffic (layer_hbm_bytes) at the data sheet's
            bandwidth, unoverlapped.
-  links    every group of an axis on the mesh tp (innermost), cp, dp, pp (outermost): on NVLink when it
-           fits in a node, else InfiniBand (per GPU, its own NIC). A ring collective of S bytes on n ranks
+  links    every group of an axis on the mesh tp (innermost), cp, dp_shard, dp_replicate, pp (outermost,
+           parallel_nd.py's order): on NVLink when it fits in a node, else InfiniBand (per GPU, its own NIC). A ring collective of S bytes on n ranks
            over k nodes costs L + (steps - inter)·a_nvl + inter·a_ib + steps/n · S/beta, steps = 2(n-1)
            for an all-reduce, n-1 for a reduce-scatter or all-gather, inter = 2(k-1) or k-1 of them
            crossing nodes: the latency is paid per ring step and per call (a ring pipelines its segments),
@@ -38,8 +38,9 @@ The model:
            overlapped with its GEMMs, its 2·v boundary messages); a step is (m + p - 1) slots for 1F1B and
            GPipe, (m + (p-1)/v) interleaved (Narayanan et al. 2021: bubble (p-1)/(v·m + p - 1)),
            (m + (p-1)/3) for ZB-H1 (Qi et al. 2023: bubble about (p-1)/(3m)); then what of the dp
-           collectives outlasts the compute it overlaps (the last micro-batch's backward for gradients, the
-           first one's forward for the parameters' all-gather; ZeRO-3 gathers every micro-batch).
+           collectives (with the cp ranks' and HSDP replicas' gradient all-reduces) outlasts the compute
+           it overlaps (the last micro-batch's backward for gradients, the first one's forward for the
+           parameters' all-gather; ZeRO-3 gathers every micro-batch).
 `eff` is the one fitted knob (--check fits it on one published table and predicts the others with it).
 Not modelled: matmul efficiency by shard size (one eff for every GEMM), the optimizer step's own time,
 contention between axes on a node's NICs, NVLink SHARP, kernel launch gaps. Compare rankings first.
