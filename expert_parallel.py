@@ -26,7 +26,8 @@ experts on the choices routed to them, and a reduce-scatter sums the partial out
 back to their ranks; backward, the same pair reversed. An expert's gradient arrives
 through these exchanges from every rank's tokens, so it is never all-reduced; the
 replicated weights' gradients are averaged with one all-reduce a step.
-traffic_per_rank() gives the bytes; the log adds the experts' loads and the drops.
+traffic_per_rank() gives the bytes sent, activation_per_rank() those autograd keeps; the log
+adds the experts' loads and the drops.
 """
 
 import torch
@@ -343,16 +344,72 @@ def exchange_bytes(config, cfg, world, sent=None, received=None):
                  and backward the same pair reversed, (N-1)·n·(k + 1)·h·act:
                  2(N-1)·n·h·act·(1+k) + (N-1)·n·k·8, N(1+k)/(2k) times the all-to-all's
                  (3x at N = 4, k = 2), and growing with N.
+    --recompute=full reruns each block's forward in backward, up to the last tensor its
+    backward reads (torch's checkpoint stops there), the router weights' product with the
+    combined outputs: every exchange of the layer's forward again, measured so. alltoall:
+    the counts' all-gather and the forward's two all-to-alls, (N-1)·E·k·8 +
+    (sent + received)·h·act more; allgather: its forward's all-gathers and reduce-scatter,
+    (N-1)·n·k·8 + (N-1)·n·(1 + k)·h·act more (the sent and received rows the log gives are
+    the forward's, counted once).
     --capacity_factor applies GShard's drop rule to the global micro-batch, so N ranks drop
     what one process would."""
     L, E, k, h, N = config.n_layer, config.n_expert, config.top_k, config.n_embd, world
     n = cfg.batch_size // N * config.block_size  # tokens a rank routes at each layer
     act = 2 if cfg.dtype == "bfloat16" else 4
+    rerun = getattr(cfg, "recompute", "none") == "full"  # 1: the forward's exchanges again
     if cfg.dispatch == "allgather":
-        return L * ((N - 1) * n * k * 8 + 2 * (N - 1) * n * h * act * (1 + k))
+        choices, rows = (N - 1) * n * k * 8, (N - 1) * n * h * act * (1 + k)  # rows: the tokens, the outputs
+        return L * ((1 + rerun) * (choices + rows) + rows)  # forward (and the rerun's), backward: rows reversed
     if sent is None:  # a rank keeps 1/N of its choices and sends the rest; as many arrive
         sent = received = L * (N - 1) / N * n * k
-    return L * (N - 1) * E * k * 8 + 2 * (sent + received) * h * act
+    return (1 + rerun) * L * (N - 1) * E * k * 8 + (2 + rerun) * (sent + received) * h * act
+
+
+def activation_per_rank(config, cfg, world, rows=None, kept=None):
+    """The bytes autograd keeps on a rank between forward and backward (act_bytes), as
+    model.activation_bytes counts a dense block's. rows: the rows this rank's experts
+    computed (the log's expert_load), kept: the choices of this rank's tokens that their
+    experts kept (L·n·k less the log's dropped_tokens), both summed over the layers: then
+    it is exact in float32; without them, the expectation under uniform routing. One
+    process (world 1, ddp.py --n_expert) keeps the same, with rows = kept.
+
+    A rank routes n = b·s/N tokens of B = b/N sequences at each of L layers; h, E, k, d as
+    in exchange_bytes. A layer keeps the dense block's attention half and LayerNorms
+    (activation_bytes less the MLP's 9dh a token, gelu 5dh), and for the MoE layer:
+      per token   the router's input (ln_2's output, d·h), its float32 softmax (4E), the
+                  top-k indices (8k, int64), the top-k weights and, for k > 1, their sum and
+                  the renormalized weights (4k + 4 + 4k), and the n·k expert outputs that
+                  the weighted sum reads (k·d·h): d·h·(1 + k) + 4E + 12k (+ 4k + 4)
+      per layer   the balance loss's choice shares f, B·E floats
+      per kept choice of this rank's tokens (alltoall)  the gather's index (8), and
+                  scatter_choices' index (8) and rows (d·h, the combined outputs): 16 + d·h
+      per expert row on this rank  the dense MLP's 9dh a token, now a row: the experts'
+                  input, the GELU's input and output (gelu: 5dh, the output recomputed)
+    --dispatch=allgather gathers and scatters this rank's experts' rows of the whole batch
+    instead: the gather's index and the rows, 8 + d·h an expert row, and scatter_choices'
+    index, a slice of the whole batch's kept choices in by_expert order, whose storage is
+    all of them: then kept counts every rank's (L·N·n·k less the ranks' dropped_tokens),
+    8 each. The all-to-alls and gathers keep nothing. full: each block's input, d·h a
+    token, as every strategy."""
+    L, E, k, h, N = config.n_layer, config.n_expert, config.top_k, config.n_embd, world
+    dtype = M.auto_dtype() if cfg.dtype == "auto" else cfg.dtype
+    B, s, d = cfg.batch_size // N, config.block_size, 2 if dtype == "bfloat16" else 4
+    n = B * s
+    ends = M.ends_bytes(config, n, s, dtype_bytes=d)
+    if cfg.recompute == "full":
+        return M.activation_bytes(config, n, "full", dtype_bytes=d) + ends
+    if rows is None:  # uniform: each expert takes N·n·k/E choices a layer, at most its capacity
+        share = min(1.0, (M.expert_capacity(config, N * n) or N * n * k) * E / (N * n * k))
+        rows = L * n * k * share  # E/N experts a rank, N·n·k/E·share rows each
+        kept = rows * (N if cfg.dispatch == "allgather" else 1)
+    mlp = (9 if cfg.recompute == "none" else 5) * d * h  # a token's in the dense block, a row's here
+    dense = M.activation_bytes(config, n, cfg.recompute, dtype_bytes=d) - L * n * mlp
+    router = n * (d * h * (1 + k) + 4 * E + 12 * k + (4 * k + 4 if k > 1 else 0)) + 4 * B * E
+    if cfg.dispatch == "allgather":
+        indexed = rows * (8 + d * h) + kept * 8
+    else:
+        indexed = kept * (16 + d * h)
+    return dense + L * router + indexed + rows * mlp + ends
 
 
 def traffic_per_rank(config, cfg, world, sent=None, received=None):

@@ -15,7 +15,9 @@ The model:
            6 + 12/d with its distributed optimizer: Megatron-LM docs/user-guide/features/dist_optimizer.md),
            or ZeRO's fp16 accounting (Rajbhandari et al. 2020, Table 1), for the parameters a rank of the
            stage holds (parallel_nd.stage_params: 1/tp of the matrices, the small replicas whole); N is the
-           ZeRO group (dp x cp, or HSDP's shard group). ZeRO-3 adds two gathered layers.
+           ZeRO group, dp_shard (HSDP's shard group; without HSDP all of dp), as parallel_nd.py shards: the
+           cp ranks of a sequence hold the same parameters whole and all-reduce their gradients, as HSDP's
+           replicas do (parallel_nd.state_per_rank, axis_messages). ZeRO-3 adds two gathered layers.
   act      Korthikanti et al. 2022, tp with sequence parallelism: s·b·h·(34 + 5·a·s/h)/t bytes a
            layer; selective recomputation (or flash attention) drops the 5·a·s/h of the scores; full
            recomputation keeps the 2·s·b·h/t input of each layer and one layer's working set. s is the
@@ -26,8 +28,8 @@ The model:
   compute  (6N + 12·L·h·s) FLOPs a token (model.flops_per_token), the recomputed forward's on top, at
            `eff` of the dense peak, plus each layer's HBM traffic (layer_hbm_bytes) at the data sheet's
            bandwidth, unoverlapped.
-  links    every group of an axis on the mesh tp (innermost), cp, dp, pp (outermost): on NVLink when it
-           fits in a node, else InfiniBand (per GPU, its own NIC). A ring collective of S bytes on n ranks
+  links    every group of an axis on the mesh tp (innermost), cp, dp_shard, dp_replicate, pp (outermost,
+           parallel_nd.py's order): on NVLink when it fits in a node, else InfiniBand (per GPU, its own NIC). A ring collective of S bytes on n ranks
            over k nodes costs L + (steps - inter)·a_nvl + inter·a_ib + steps/n · S/beta, steps = 2(n-1)
            for an all-reduce, n-1 for a reduce-scatter or all-gather, inter = 2(k-1) or k-1 of them
            crossing nodes: the latency is paid per ring step and per call (a ring pipelines its segments),
@@ -36,8 +38,9 @@ The model:
            overlapped with its GEMMs, its 2·v boundary messages); a step is (m + p - 1) slots for 1F1B and
            GPipe, (m + (p-1)/v) interleaved (Narayanan et al. 2021: bubble (p-1)/(v·m + p - 1)),
            (m + (p-1)/3) for ZB-H1 (Qi et al. 2023: bubble about (p-1)/(3m)); then what of the dp
-           collectives outlasts the compute it overlaps (the last micro-batch's backward for gradients, the
-           first one's forward for the parameters' all-gather; ZeRO-3 gathers every micro-batch).
+           collectives (with the cp ranks' and HSDP replicas' gradient all-reduces) outlasts the compute
+           it overlaps (the last micro-batch's backward for gradients, the first one's forward for the
+           parameters' all-gather; ZeRO-3 gathers every micro-batch).
 `eff` is the one fitted knob (--check fits it on one published table and predicts the others with it).
 Not modelled: matmul efficiency by shard size (one eff for every GEMM), the optimizer step's own time,
 contention between axes on a node's NICs, NVLink SHARP, kernel launch gaps. Compare rankings first.
@@ -103,6 +106,12 @@ def state_bytes(precision, zero, n):
     """Model-state bytes a parameter on one rank of a ZeRO group of n."""
     rep, shard = STATE[precision][zero]
     return rep + shard / n
+
+
+def rank_state(params, precision, zero, lay):
+    """Model-state bytes on a rank holding `params` parameters of its stage in layout lay = (dp, tp,
+    pp, cp, dp_shard): sharded over dp_shard alone, as parallel_nd.py shards (cp ranks are replicas)."""
+    return params * state_bytes(precision, zero, lay[4])
 
 
 def layer_activations(s, b, h, a, tp, recompute, flash=False, precision=None):
@@ -196,9 +205,9 @@ def stage_costs(config, cl, run, lay, b):
     local = dataclasses.replace(config, block_size=s)
     prec = run.precision
     act_bytes = 4 if prec == "fp32" else 2
-    n_zero, repl = shard * cp, dp // shard  # ZeRO shards over the HSDP shard group and cp (same weights)
-    # links: strides on the mesh tp, cp, dp, pp
-    lk = dict(tp=span(tp, 1, cl), cp=span(cp, tp, cl), dp=span(n_zero, tp, cl),
+    repl = dp // shard  # ZeRO shards over the dp_shard group alone; cp ranks and HSDP's replicas all-reduce
+    # links: strides on the mesh tp, cp, dp_shard, dp_replicate, pp (parallel_nd.py's)
+    lk = dict(tp=span(tp, 1, cl), cp=span(cp, tp, cl), dp=span(shard, tp * cp, cl),
               rep=span(repl, tp * cp * shard, cl), pp=span(pp, tp * cp * dp, cl))
     cfg = SimpleNamespace(batch_size=run.batch, n_micro=m, dtype="bfloat16" if prec != "fp32" else "float32",
                           sequence_parallel=True, grad_clip=1.0)
@@ -222,10 +231,12 @@ def stage_costs(config, cl, run, lay, b):
         calls = max(1, math.ceil(params / run.bucket_elems)) if run.bucket_elems else \
             max(1, math.ceil(params * GRAD_BYTES[prec] / CODE_BUCKET))
         g, w = params * GRAD_BYTES[prec], params * WEIGHT_BYTES[prec]
-        hsdp = coll_time("all_reduce", repl, g / n_zero, lk["rep"], calls)  # across HSDP's replicas
-        dp_t = {0: (coll_time("all_reduce", n_zero, g, lk["dp"], calls) + hsdp, 0.0),
-                1: (coll_time("reduce_scatter", n_zero, g, lk["dp"], calls) + hsdp,
-                    coll_time("all_gather", n_zero, w, lk["dp"], calls))}
+        held = {0: g, 1: g / shard}  # the gradient a rank holds after the dp_shard step, by ZeRO or not
+        avg = {z: coll_time("all_reduce", repl, held[z], lk["rep"], calls)  # averaged over HSDP's replicas,
+               + coll_time("all_reduce", cp, held[z], lk["cp"], calls) for z in held}  # and over the cp ranks
+        dp_t = {0: (coll_time("all_reduce", shard, g, lk["dp"], calls) + avg[0], 0.0),
+                1: (coll_time("reduce_scatter", shard, g, lk["dp"], calls) + avg[1],
+                    coll_time("all_gather", shard, w, lk["dp"], calls))}
         out.append(dict(k=k, params=params, layers=layers, t_c=t_c, tp=(blocks, rest), pp=t_pp, dp=dp_t))
     return out
 
@@ -249,7 +260,7 @@ def evaluate(config, cl, run, lay, opt, cache=None):
     worst = None
     for st in cache[b]:
         k, t_c = st["k"], st["t_c"][recompute]
-        state = st["params"] * state_bytes(prec, zero, shard * cp)
+        state = rank_state(st["params"], prec, zero, lay)
         act = layer_activations(s, b, h, a, tp, recompute, run.flash, prec) * st["layers"] * held(schedule, pp, m, v, k)
         if recompute == "full":
             act += layer_activations(s, b, h, a, tp, "selective", run.flash, prec)  # the layer being recomputed

@@ -163,3 +163,31 @@ def test_fp32_activations_equal_the_measured():
                 h = M.recompute_block(block, h, mode)
         assert sum(saved.values()) == L * P.layer_activations(s, b, config.n_embd, config.n_head, 1, planner,
                                                                precision="fp32"), mode
+
+
+@pytest.mark.quick
+def test_zero_shards_over_dp_shard_as_parallel_nd():
+    """The planner shards ZeRO over dp_shard alone, as parallel_nd.py does (its cp ranks hold the
+    same parameters and all-reduce their gradients): for layouts with cp > 1, the planner's state on
+    each stage's rank, by ZeRO stage, equals parallel_nd.state_per_rank (what the tests of
+    parallel_nd.py measure), for a model whose units divide by dp_shard (no padding); and a
+    plan's state is it (with pp = 1, the one stage's)."""
+    import model as M
+    from parallel_nd import DEFAULTS, Mesh, state_per_rank
+    config = M.make_config("tiny", 192, block_size=32)
+    cl = P.SimpleNamespace(**P.CLUSTERS["H100"])
+    run = P.SimpleNamespace(batch=16, precision="fp32", tied=True, bucket_elems=0, eff=P.EFF, flash=False,
+                            tp_overlap=False, dp_overlap=True, headroom=0.9)
+    for lay in ((2, 1, 1, 2, 2), (2, 2, 2, 2, 2), (4, 1, 3, 2, 2), (4, 2, 1, 2, 2), (8, 1, 1, 4, 4)):
+        dp, tp, pp, cp, shard = lay
+        for zero in (0, 1, 2, 3):
+            if shard < dp and zero != 3:
+                continue  # HSDP: a ZeRO-3 layout
+            mesh = Mesh(pp, dp // shard, shard, cp, tp) if zero else Mesh(pp, dp, 1, cp, tp)
+            cfg = M.parse_args(DEFAULTS, ["--dtype=float32", f"--zero_stage={max(zero, 1)}"])
+            for st in P.stage_costs(config, cl, run, lay, 1):
+                want = state_per_rank(config, cfg, mesh, st["k"], 0)
+                assert P.rank_state(st["params"], "fp32", zero, lay) == want, (lay, zero, st["k"])
+            if pp == 1:
+                row = P.evaluate(config, cl, run, lay, dict(zero=zero, recompute="none", schedule="1f1b", v=1, b=1))
+                assert row["state_gb"] * 1e9 == pytest.approx(want, rel=1e-12), (lay, zero)

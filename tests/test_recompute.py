@@ -5,8 +5,10 @@ without sequence parallelism, the pipeline under GPipe and 1F1B) x {none, gelu, 
 steps of the tiny preset: gelu and full give the losses of none within 1e-6 at every step,
 and each rank's act_bytes (the bytes autograd keeps between forward and backward, counted by
 saved-tensor hooks) is model.activation_bytes + the ends' exactly, split as the strategy
-splits it (expert parallel: the part its routing decides, checked apart). One process: the
-same for ddp.py, and the bad flags, quick.
+splits it (expert parallel: expert_parallel.activation_per_rank from the step's routing
+counts, both dispatch modes, at a capacity that drops). The traffic formulas count full's
+rerun messages: held to the log for tensor, context and expert parallel. One process: the
+same for ddp.py, dense and with experts, and the bad flags, quick.
 """
 import contextlib
 import importlib
@@ -24,9 +26,11 @@ B, S = 4, 32  # rows and positions of a step
 RUNS = [("ddp", ()), ("fsdp", ("--zero_stage=3",)), ("fsdp", ("--zero_stage=1",)),  # ZeRO-2 runs ZeRO-1's forward
         ("tensor_parallel", ()), ("tensor_parallel", ("--sequence_parallel=True",)), ("context_parallel", ()),
         ("pipeline_parallel", ("--schedule=gpipe", "--n_micro=4")),
-        ("pipeline_parallel", ("--schedule=1f1b", "--n_micro=4")), ("expert_parallel", ("--n_expert=4",))]
+        ("pipeline_parallel", ("--schedule=1f1b", "--n_micro=4")),
+        ("expert_parallel", ("--n_expert=4", "--capacity_factor=1.0")),  # drops: the capacity rule's rows
+        ("expert_parallel", ("--n_expert=4", "--capacity_factor=1.0", "--dispatch=allgather"))]
 CONFIG = M.make_config("tiny", VOCAB, block_size=S)
-MOE = M.make_config("tiny", VOCAB, block_size=S, n_expert=4)
+MOE = M.make_config("tiny", VOCAB, block_size=S, n_expert=4, capacity_factor=1.0)  # the expert parallel runs
 
 
 def worker(rank, world, train_args, runs):
@@ -79,33 +83,55 @@ def test_losses_and_bytes(results, train_args):
                 assert all(sum(r["comm_bytes"]) / 2 == pytest.approx(sent, rel=1e-9) for r in records), where
 
 
-def test_expert_parallel_bytes(results):
-    """Expert parallel: full keeps each block's input as every strategy does (the dense formula, the
-    routing rerun in backward); gelu drops exactly the GELU outputs of the rows this rank's experts
-    computed (expert_load: every layer's, this step), 4h float32 numbers a row; and the logged
-    routing statistics are counted once, not again in the rerun."""
-    extra, n, d, h = ("--n_expert=4",), B * S // 2, 4, MOE.n_embd
-    for none, gelu, full in zip(*(results["expert_parallel", extra, mode] for mode in M.RECOMPUTE)):
-        assert full["act_bytes"] == [M.activation_bytes(MOE, n, "full") + M.ends_bytes(MOE, n, S)] * 2
-        assert none["expert_load"] == gelu["expert_load"] == full["expert_load"]
-        assert sum(full["expert_load"]) == MOE.n_layer * B * S * MOE.top_k  # no capacity: every choice, once
-        for r in range(2):
-            assert none["act_bytes"][r] - gelu["act_bytes"][r] == d * 4 * h * none["expert_load"][r]
+def test_expert_parallel_bytes(results, train_args):
+    """Expert parallel: each rank's act_bytes is activation_per_rank's from the step's routing counts
+    (the rows its experts computed, the choices kept), exactly, in each mode and dispatch; the bytes
+    each rank sends are exchange_bytes' from its sent and received rows, full's rerun exchanges
+    included (and the step's all-reduces in sum over the ranks); the logged routing statistics are
+    counted once, not again in the rerun."""
+    import expert_parallel as EP
+    L, n, k = MOE.n_layer, B * S // 2, MOE.top_k
+    for script, extra in RUNS[-2:]:
+        runs = {mode: results[script, extra, mode] for mode in M.RECOMPUTE}
+        for mode, records in runs.items():
+            cfg = M.parse_args(EP.DEFAULTS, train_args + ARGS + list(extra) + [f"--recompute={mode}"])
+            for r, q in zip(records, runs["none"]):
+                where = f"{' '.join(extra)} --recompute={mode}, iter {r['iter']}"
+                assert r["expert_load"] == q["expert_load"] and r["dropped_tokens"] == q["dropped_tokens"], where
+                assert sum(r["expert_load"]) == 2 * L * n * k - sum(r["dropped_tokens"]) and sum(r["dropped_tokens"])
+                if cfg.dispatch == "allgather":  # its index of the whole batch's kept choices
+                    kept = [sum(r["expert_load"])] * 2
+                else:
+                    kept = [L * n * k - r["dropped_tokens"][i] for i in range(2)]
+                want = [EP.activation_per_rank(MOE, cfg, 2, r["expert_load"][i], kept[i]) for i in range(2)]
+                assert r["act_bytes"] == want, (where, r["act_bytes"], want)
+                rows = [(r["sent_tokens"][i], r["received_tokens"][i]) if cfg.dispatch == "alltoall" else (None, None)
+                        for i in range(2)]
+                assert r["dispatch_bytes"] == [EP.exchange_bytes(MOE, cfg, 2, *rows[i]) for i in range(2)], where
+                total = sum(EP.traffic_per_rank(MOE, cfg, 2, *rows[i]) for i in range(2))
+                assert sum(r["comm_bytes"]) == pytest.approx(total, rel=1e-9), where
 
 
 @pytest.mark.quick
 def test_one_process_ddp(train_args, capsys):
-    """One process: the three modes' losses agree, and the bytes are the formula's; a bad mode, or gelu
-    under --compile, ends the run with one line."""
+    """One process: the three modes' losses agree, and the bytes are the formula's, for the dense GPT
+    and its mixture of experts (expert_parallel.activation_per_rank on one rank: without a capacity
+    every choice is an expert row, so its expectation is exact); a bad mode, or gelu under --compile,
+    ends the run with one line."""
     import ddp
+    import expert_parallel as EP
     torch.set_num_threads(1)
-    runs = {}
-    for mode in M.RECOMPUTE:
-        with contextlib.redirect_stdout(io.StringIO()):
-            runs[mode] = ddp.main(train_args + ARGS + [f"--recompute={mode}"])
-        want = M.activation_bytes(CONFIG, B * S, mode) + M.ends_bytes(CONFIG, B * S, S)
-        assert [r["act_bytes"] for r in runs[mode]] == [[want]] * 3, mode
-        assert [r["loss"] for r in runs[mode]] == pytest.approx([r["loss"] for r in runs["none"]], abs=1e-6), mode
+    moe = M.make_config("tiny", VOCAB, block_size=S, n_expert=4)
+    for experts in ((), ("--n_expert=4", "--max_iters=1")):  # one step of the experts: 3 cost seconds
+        runs = {}
+        for mode in M.RECOMPUTE:
+            args = train_args + ARGS + list(experts) + [f"--recompute={mode}"]
+            with contextlib.redirect_stdout(io.StringIO()):
+                runs[mode] = ddp.main(args)
+            want = EP.activation_per_rank(moe, M.parse_args(EP.DEFAULTS, args), 1) if experts else \
+                M.activation_bytes(CONFIG, B * S, mode) + M.ends_bytes(CONFIG, B * S, S)
+            assert [r["act_bytes"] for r in runs[mode]] == [[want]] * (1 if experts else 3), (experts, mode)
+            assert [r["loss"] for r in runs[mode]] == pytest.approx([r["loss"] for r in runs["none"]], abs=1e-6)
     for bad, says in (("--recompute=some", "--recompute takes none, gelu, full"), ("--recompute=gelu", "eager")):
         with pytest.raises(SystemExit) as e:
             ddp.main(train_args + [bad] + (["--compile=True"] if bad.endswith("gelu") else []))
