@@ -7,13 +7,16 @@ each stage's matrices over tp ranks; context parallelism cuts each sequence into
 that attend to each other round a ring; and that group of cp·tp ranks is repeated over the
 data axes, each on its own rows of the batch: dp_shard ranks that keep 1/dp_shard of the
 stage's weights, gradients and Adam state (ZeRO), and dp_replicate copies of all that
-(HSDP when both are > 1). Nothing here is new: the pieces are ddp.py's, fsdp.py's,
-tensor_parallel.py's, context_parallel.py's and pipeline_parallel.py's, run on sub-groups.
+(HSDP when both are > 1). A mixture of experts (--n_expert) splits its experts over ep
+ranks borrowed from the dp_shard x cp block, as torchtitan borrows them. Nothing here is
+new: the pieces are ddp.py's, fsdp.py's, tensor_parallel.py's, context_parallel.py's,
+pipeline_parallel.py's and expert_parallel.py's, run on sub-groups.
 
     torchrun --nproc_per_node=8 parallel_nd.py --dp=2 --tp=2 --pp=2 --n_micro=4
     torchrun --nproc_per_node=8 parallel_nd.py --dp_shard=2 --tp=2 --pp=2            # FSDP x TP x PP
     torchrun --nproc_per_node=8 parallel_nd.py --dp_replicate=2 --dp_shard=2 --tp=2  # HSDP x TP
     torchrun --nproc_per_node=8 parallel_nd.py --dp_shard=2 --cp=2 --tp=2 --layout=zigzag
+    torchrun --nproc_per_node=8 parallel_nd.py --dp_shard=2 --cp=2 --tp=2 --n_expert=8 --ep=4  # + EP
     torchrun --nnodes=16 --nproc_per_node=8 ... parallel_nd.py --model=gpt2-xl --pp=4   # see bench/plan_3d.py
 
 The mesh. rank = (((pp_rank·R + rep_rank)·S + shard_rank)·CP + cp_rank)·TP + tp_rank:
@@ -34,12 +37,34 @@ axes, then pipeline outermost. The order follows what each axis sends, and how o
   pp  one activation per micro-batch per boundary forward and its gradient back, b·s·h
       each, to one neighbour: the least, and it tolerates the slowest links.
 Every group is made by C.new_group(ranks), every rank making every group in the same
-order (tp groups, then cp, dp_shard, dp_replicate, pp), even those it is not in. The tie
+order (tp groups, then cp, dp_shard, dp_replicate, pp; with experts ep, ep_dp), even those
+it is not in. The tie
 between the embedding (first stage) and the head (last stage) is summed between the two
 ends of each pipeline group: the same other coordinates, so the same vocabulary rows.
 
 What each axis sends per step is derived in axis_messages(), which the tests hold the log to
 and bench/plan_3d.py uses to predict every layout of a cluster.
+
+Experts (--n_expert=E --ep=N). With j = dp_shard·cp + cp_rank a rank's place in its
+dp_shard x cp block, the ep group is N ranks of one run of j (the other coordinates the
+same; N divides the block and E), each holding E/N experts of every MoE layer and running
+expert_parallel's layer on that group: the all-to-all dispatch (--dispatch=allgather, its
+alternative), 4 passes of the routed rows a layer and micro-batch. Why borrow the data
+axes: an expert sees tokens from N ranks' rows instead of one, without ranks of its own
+(torchtitan, Megatron-Core's expert data parallelism); ep inside the block keeps its
+all-to-alls on the data axes' links, after tp's. What is split, and the formula:
+  - the experts are split by ep and nothing else: not tp-split (every tp rank runs the same
+    tokens through the same experts, each in the ep group of its tp coordinate), not ZeRO-
+    sharded (already 1/N each); 16 bytes an element on every rank (state_per_rank);
+  - the router, the attention and everything else are what they are without experts;
+  - an expert's gradient already holds the N ep ranks' tokens (the all-to-all's backward),
+    so it is summed over the ranks holding the same experts, ep_dp (S·cp/N of them) and
+    dp_replicate, and divided by the R·S·cp data ranks: mean over the global batch;
+  - the balance loss is the one-process run's, per whole sequence (with cp its sums over the
+    ring first), its gradient added where each layer is (a pipeline carries no extra loss).
+Refused: --capacity_factor (GShard's drop order is the whole global micro-batch's, which no
+ep group sees, and a pipeline's micro-batch is not the batch), --sequence_parallel, and the
+schedules or recomputation that run the all-to-alls twice (zb, --recompute=full).
 
 The step: the data rank's rows (dp_replicate x dp_shard of them; the cp ranks of one
 sequence take its positions) are cut into m micro-batches for any of pipeline_parallel's
@@ -60,7 +85,9 @@ Flags: --pp, --dp_replicate (--dp is its old name; 0: the rest), --dp_shard, --c
 --schedule, --n_micro (0: 2·pp with a pipeline, 1 without), --virtual_stages as
 pipeline_parallel.py's (zb with --tp=1 --cp=1: its W walks backward again, which would
 repeat tensor parallel's all-reduces and the ring); --sequence_parallel as
-tensor_parallel.py's; --bucket_mb and --overlap as ddp.py's.
+tensor_parallel.py's; --bucket_mb and --overlap as ddp.py's; --n_expert (--top_k,
+--aux_loss_coef) as model.py's, with --ep (1: every rank holds every expert) and
+--dispatch as expert_parallel.py's.
 """
 from collections import namedtuple
 from contextlib import contextmanager
@@ -326,6 +353,7 @@ def axis_bytes(config, cfg, mesh, stage=None, routed=None):
     vocabulary, L_k the blocks of stage k, d the compute dtype's bytes, Ψ_k the elements a
     rank of stage k holds (stage_params), P_k the same in ZeRO units padded to S·⌈n/S⌉):
       tp (stage k)  m · (4·L_k + [first] + [last]) all-reduces of b·s·h (d; the embedding's 4;
+                    a MoE block 2, its experts not tp-split;
                     --recompute=full: + L_k, the rerun's first g; sequence parallel: + 1.5·L_k),
                     + [last] m·3 all-reduces of b·s floats (the loss) + 1 float (the norm)
                     (--sequence_parallel: each all-reduce a reduce-scatter + all-gather, the

@@ -335,3 +335,14 @@ def test_mesh_and_formulas_on_paper():
             mesh = P.Mesh(1, 1, n, 1, 1)
             assert [P.state_per_rank(config, cfg, mesh, 0, r) for r in range(n)] == \
                 fsdp.state_per_rank(config, fcfg, n)
+    # the experts' exchanges at ep = dp_shard = n: expert_parallel's (uniform routing's expectation under
+    # alltoall, exact under allgather), n ranks of it, + the norm's float; and the experts' state
+    import expert_parallel
+    moe = M.make_config("tiny", VOCAB, BLOCK, n_expert=4, top_k=2)
+    for n, dispatch, dtype in [(2, "alltoall", "float32"), (4, "allgather", "bfloat16")]:
+        cfg = SimpleNamespace(**dict(base, dp_shard=n, ep=n, dispatch=dispatch, dtype=dtype))
+        mesh = P.Mesh(1, 1, n, 1, 1)
+        assert P.axis_bytes(moe, cfg, mesh)["ep"] == pytest.approx(
+            n * expert_parallel.exchange_bytes(moe, cfg, n) + 2 * (n - 1) * 4)
+        assert P.expert_params(moe, n, 1, 0) * n == moe.n_layer * M.mlp_params(moe, 4) - moe.n_layer * 4 * moe.n_embd
+    assert P.axis_bytes(config, SimpleNamespace(**base), P.Mesh(1, 1, 1, 1, 1)).keys() == set(P.AXES)  # dense: 5
