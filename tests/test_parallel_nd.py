@@ -60,14 +60,13 @@ RESUMED = {"zero3": mesh_flags(2, 1, 2), "ddp": mesh_flags(2, 2, 1, 1, 1)}
 SAVED8 = "shard x tp x pp"  # its checkpoint (step 3) is loaded at 4 ranks by tp x pp, fsdp.py and ddp.py
 # a mixture of experts (4 experts, top 2), against the one-process ddp.py --n_expert=4 run of the same 3 steps:
 # at 8 ranks ep 4 over dp_shard 2 x cp 2 (x tp 2), its checkpoint loaded at 4 ranks by a MoE layout and by
-# ddp.py and expert_parallel.py; at 4 ranks ep 2 on the dp_shard group (ZeRO-3, with tp), on the cp ring (with a
-# 1F1B pipeline; with dp_replicate's buckets), and over dp_shard 4 (ep_dp 2, strided) in bf16 with allgather
+# ddp.py and expert_parallel.py; at 4 ranks ep 2 on the dp_shard group (ZeRO-3, with tp), on the cp ring with a
+# 1F1B pipeline, and on the cp ring with dp_replicate's buckets in bf16 with the allgather dispatch
 MOE = ["--n_expert=4", "--top_k=2"]
 MOE8 = {"moe ep4 over shard x cp x tp": mesh_flags(1, 1, 2, 2, 2, "--ep=4", *MOE)}
 MOE4 = {"moe shard x tp": mesh_flags(1, 1, 2, 1, 2, "--ep=2", *MOE),
         "moe pp x cp": mesh_flags(2, 1, 1, 2, 1, "--ep=2", "--layout=contiguous", *MOE),
-        "moe rep x cp": mesh_flags(1, 2, 1, 2, 1, "--ep=2", *MOE),
-        "moe shard bf16": mesh_flags(1, 1, 4, 1, 1, "--ep=2", "--dispatch=allgather", "--dtype=bfloat16", *MOE)}
+        "moe rep x cp bf16": mesh_flags(1, 2, 1, 2, 1, "--ep=2", "--dispatch=allgather", "--dtype=bfloat16", *MOE)}
 MOE_LOADED = {"nd": mesh_flags(1, 1, 2, 1, 2, "--ep=2"), "ddp": [], "expert_parallel": []}  # + MOE
 BAD = {  # flags -> the one line's text
     ("--dp_shard=3",): "--pp=1 x --dp_shard=3 x --cp=1 x --tp=1 = 3 ranks does not divide the world size 4",
@@ -307,6 +306,18 @@ def test_mesh_and_formulas_on_paper():
         groups = P.mesh_groups(mesh)[a]
         assert sorted(r for g in groups for r in g) == list(range(world)) and all(len(g) == n for g in groups)
     assert P.mesh_groups(mesh)["tp"][0] == [0, 1, 2] and P.mesh_groups(mesh)["cp"][0] == [0, 3]
+    # the experts' groups: ep a run of the (dp_shard, cp) index, ep_dp the ranks at the same index mod ep
+    for mesh, ep in [(P.Mesh(2, 3, 2, 2, 3), 2), (P.Mesh(2, 3, 2, 2, 3), 4), (P.Mesh(1, 1, 4, 1, 1), 2)]:
+        got = P.ep_groups(mesh, ep)
+        for a, n in [("ep", ep), ("ep_dp", mesh.dp_shard * mesh.cp // ep)]:
+            assert sorted(r for g in got[a] for r in g) == list(range(P.world_of(mesh))), (mesh, a)
+            for g in got[a]:
+                c = [P.coords(r, mesh) for r in g]
+                j = [x.dp_shard * mesh.cp + x.cp for x in c]
+                assert len(g) == n and len({(x.pp, x.dp_replicate, x.tp) for x in c}) == 1
+                assert j == (list(range(j[0], j[0] + ep)) if a == "ep" else list(range(j[0], mesh.dp_shard * mesh.cp, ep)))
+    assert P.ep_groups(P.Mesh(1, 1, 4, 1, 1), 2) == {"ep": [[0, 1], [2, 3]], "ep_dp": [[0, 2], [1, 3]]}
+    assert P.ep_groups(P.Mesh(2, 3, 2, 2, 3), 2)["ep"][0] == [0, 3]  # ep 2 = the cp group here (and ep_dp, dp_shard's)
     import context_parallel
     import ddp
     import fsdp
