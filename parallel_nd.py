@@ -63,8 +63,8 @@ all-to-alls on the data axes' links, after tp's. What is split, and the formula:
   - the balance loss is the one-process run's, per whole sequence (with cp its sums over the
     ring first), its gradient added where each layer is (a pipeline carries no extra loss).
 Refused: --capacity_factor (GShard's drop order is the whole global micro-batch's, which no
-ep group sees, and a pipeline's micro-batch is not the batch), --sequence_parallel, and the
-schedules or recomputation that run the all-to-alls twice (zb, --recompute=full).
+ep group sees, and a pipeline's micro-batch is not the batch), --sequence_parallel, and what
+runs the all-to-alls twice (--schedule=zb's W, --recompute=full's rerun).
 
 The step: the data rank's rows (dp_replicate x dp_shard of them; the cp ranks of one
 sequence take its positions) are cut into m micro-batches for any of pipeline_parallel's
@@ -873,11 +873,10 @@ def layout(cfg, config, world, check=True):
     if E and (E % ep or S * cp % ep):
         M.die(f"--ep={ep} must divide the {E} experts (--n_expert) and --dp_shard x --cp = {S * cp}, "
               f"the ranks it borrows")
-    if E and (cfg.schedule in ("zb", "interleaved") or cfg.recompute == "full" or cfg.sequence_parallel
-              or cfg.capacity_factor):
+    if E and (cfg.schedule == "zb" or cfg.recompute == "full" or cfg.sequence_parallel or cfg.capacity_factor):
         M.die("--n_expert here: not with --schedule=zb or --recompute=full (each runs the experts' all-to-alls "
-              "again), --schedule=interleaved or --sequence_parallel (not yet), or --capacity_factor (its drop "
-              "order is the whole global micro-batch's, which no ep group sees: expert_parallel.py has it)")
+              "again), --sequence_parallel (not yet), or --capacity_factor (its drop order is the whole global "
+              "micro-batch's, which no ep group sees: expert_parallel.py has it)")
     dp = mesh.dp_replicate * S
     if cfg.batch_size % (dp * cfg.n_micro):
         M.die(f"--batch_size={cfg.batch_size} does not divide into {dp} data parallel ranks "

@@ -59,13 +59,14 @@ PAIRS4 = {  # every pair of the five axes, at 2 x 2, 3 steps each
 RESUMED = {"zero3": mesh_flags(2, 1, 2), "ddp": mesh_flags(2, 2, 1, 1, 1)}
 SAVED8 = "shard x tp x pp"  # its checkpoint (step 3) is loaded at 4 ranks by tp x pp, fsdp.py and ddp.py
 # a mixture of experts (4 experts, top 2), against the one-process ddp.py --n_expert=4 run of the same 3 steps:
-# at 8 ranks ep 4 over dp_shard 2 x cp 2 (x tp 2), its checkpoint loaded at 4 ranks by a MoE layout and by
-# ddp.py and expert_parallel.py; at 4 ranks ep 2 on the dp_shard group (ZeRO-3, with tp), on the cp ring with a
-# 1F1B pipeline, and on the cp ring with dp_replicate's buckets in bf16 with the allgather dispatch
+# at 8 ranks ep 4 over dp_shard 2 x cp 2 in a 1F1B pipeline of 2, its checkpoint loaded at 4 ranks by a MoE
+# layout and by ddp.py and expert_parallel.py; at 4 ranks ep 2 on the dp_shard group (ZeRO-3, with tp), on the
+# cp ring in an interleaved pipeline, and on the cp ring with dp_replicate's buckets in bf16 with allgather
 MOE = ["--n_expert=4", "--top_k=2"]
-MOE8 = {"moe ep4 over shard x cp x tp": mesh_flags(1, 1, 2, 2, 2, "--ep=4", *MOE)}
+MOE8 = {"moe ep4 over shard x cp, pp": mesh_flags(2, 1, 2, 2, 1, "--ep=4", *MOE)}
 MOE4 = {"moe shard x tp": mesh_flags(1, 1, 2, 1, 2, "--ep=2", *MOE),
-        "moe pp x cp": mesh_flags(2, 1, 1, 2, 1, "--ep=2", "--layout=contiguous", *MOE),
+        "moe pp x cp": mesh_flags(2, 1, 1, 2, 1, "--ep=2", "--layout=contiguous", "--schedule=interleaved",
+                                  "--n_micro=2", *MOE),
         "moe rep x cp bf16": mesh_flags(1, 2, 1, 2, 1, "--ep=2", "--dispatch=allgather", "--dtype=bfloat16", *MOE)}
 MOE_LOADED = {"nd": mesh_flags(1, 1, 2, 1, 2, "--ep=2"), "ddp": [], "expert_parallel": []}  # + MOE
 BAD = {  # flags -> the one line's text
