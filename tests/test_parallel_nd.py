@@ -60,15 +60,15 @@ RESUMED = {"zero3": mesh_flags(2, 1, 2), "ddp": mesh_flags(2, 2, 1, 1, 1)}
 SAVED8 = "shard x tp x pp"  # its checkpoint (step 3) is loaded at 4 ranks by tp x pp, fsdp.py and ddp.py
 # a mixture of experts (4 experts, top 2), against the one-process ddp.py --n_expert=4 run of the same 3 steps:
 # at 8 ranks ep 4 over dp_shard 2 x cp 2 in a 1F1B pipeline of 2, its checkpoint loaded at 4 ranks by a MoE
-# layout and by ddp.py and expert_parallel.py; at 4 ranks ep 2 on the dp_shard group (ZeRO-3, with tp), on the
+# layout and by ddp.py; at 4 ranks ep 2 on the dp_shard group (ZeRO-3, with tp), on the
 # cp ring in an interleaved pipeline, and on the cp ring with dp_replicate's buckets in bf16 with allgather
 MOE = ["--n_expert=4", "--top_k=2"]
-MOE8 = {"moe ep4 over shard x cp, pp": mesh_flags(2, 1, 2, 2, 1, "--ep=4", *MOE)}
+MOE8 = {"moe ep4 over shard x cp, pp": mesh_flags(2, 1, 2, 2, 1, "--ep=4", "--n_micro=2", *MOE)}
 MOE4 = {"moe shard x tp": mesh_flags(1, 1, 2, 1, 2, "--ep=2", *MOE),
         "moe pp x cp": mesh_flags(2, 1, 1, 2, 1, "--ep=2", "--layout=contiguous", "--schedule=interleaved",
                                   "--n_micro=2", *MOE),
         "moe rep x cp bf16": mesh_flags(1, 2, 1, 2, 1, "--ep=2", "--dispatch=allgather", "--dtype=bfloat16", *MOE)}
-MOE_LOADED = {"nd": mesh_flags(1, 1, 2, 1, 2, "--ep=2"), "ddp": [], "expert_parallel": []}  # + MOE
+MOE_LOADED = {"nd": mesh_flags(1, 1, 2, 1, 2, "--ep=2"), "ddp": []}  # + MOE
 BAD = {  # flags -> the one line's text
     ("--dp_shard=3",): "--pp=1 x --dp_shard=3 x --cp=1 x --tp=1 = 3 ranks does not divide the world size 4",
     ("--dp_replicate=2", "--dp_shard=1", "--tp=1"): "= 2 ranks, but the world has 4",
@@ -129,10 +129,9 @@ def _run_all(rank, world, train_args, out, shared):
         results["loaded"] = {name: records[0]["loss"] for name, records in loaded.items() if records}  # rank 0's
         for name, flags in MOE4.items():
             run(name, flags + THREE, save="bfloat16" not in flags)
-        import expert_parallel
         after = ["--max_iters=4", "--eval_interval=0", f"--resume={shared}/ckpt8moe/step_000003"] + MOE
         loaded = {name: _quiet(fn, train_args + MOE_LOADED[name] + after)[0] for name, fn in
-                  [("nd", P.main), ("ddp", ddp.main), ("expert_parallel", expert_parallel.main)]}
+                  [("nd", P.main), ("ddp", ddp.main)]}
         results["moe loaded"] = {name: records[0]["loss"] for name, records in loaded.items() if records}
         for flags in BAD:
             results[flags] = _bad(train_args + list(flags))
@@ -244,7 +243,7 @@ def test_every_axis_at_8_ranks(runs, reference_three, reference_moe):
 
 def test_experts_at_4_ranks(runs, reference_moe):
     """A mixture of experts on the mesh, against ddp.py --n_expert=4 in one process; the 8-rank
-    MoE checkpoint loaded by another layout, ddp.py and expert_parallel.py: the same next loss."""
+    MoE checkpoint loaded by another layout and by ddp.py: the same next loss."""
     results = runs(4)
     for name, flags in MOE4.items():
         if "--dtype=bfloat16" in flags:
@@ -254,7 +253,7 @@ def test_experts_at_4_ranks(runs, reference_moe):
         else:
             check_run(results[name], reference_moe)
     loaded = results["moe loaded"]
-    assert len(loaded) == 3 and max(loaded.values()) - min(loaded.values()) <= 1e-6, loaded
+    assert len(loaded) == 2 and max(loaded.values()) - min(loaded.values()) <= 1e-6, loaded
 
 
 def test_every_pair_of_axes_at_4_ranks(runs, reference, reference_three):
