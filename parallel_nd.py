@@ -70,7 +70,8 @@ The step: the data rank's rows (dp_replicate x dp_shard of them; the cp ranks of
 sequence take its positions) are cut into m micro-batches for any of pipeline_parallel's
 schedules, each stage running tensor parallel's pieces on its tp group, its attention on
 the cp ring. Then the tie's sum, dp_shard's reduce-scatter of each unit's gradient, the
-average over cp and dp_replicate, and the clip (squared norms over dp_shard, tp and pp).
+average over cp and dp_replicate (the experts': over ep_dp and dp_replicate), and the clip
+(squared norms over dp_shard, tp and pp; the experts' over ep first).
 
 Sharded data parallel in a pipeline. A stage runs each unit (a block; the stage's ends)
 m times a step, forwards and backwards interleaved by the schedule, so a ZeRO-3 unit is
@@ -1042,7 +1043,7 @@ def main(argv=None):
             with traffic["ep_dp"].counting():
                 average(grads, ep_dp_group)  # ep_dp: the ranks that hold the same experts
             average(grads, rep_group)
-            for g in grads:  # the mean over R·S·cp data ranks = (sum over all) / (R·S·cp): ep of them summed already
+            for g in grads:  # the mean over the R·S·cp data ranks: ep of them were summed already
                 g.div_(ep)
             extra = expert_sq(expert_params, me, ep_group, traffic["ep"]) if cfg.grad_clip else None
         if S > 1:
@@ -1057,7 +1058,7 @@ def main(argv=None):
         if S > 1:
             state = state_bytes(units, stage, optimizer)
         else:
-            grads = buckets.buffers + [p.grad for p in expert_params] if buckets else [p.grad for p in params + expert_params]
+            grads = (buckets.buffers if buckets else [p.grad for p in params]) + [p.grad for p in expert_params]
             state = M.tensor_bytes(params + expert_params) + M.tensor_bytes(grads) + M.optimizer_state_bytes(optimizer)
         if S > 1 and M.checkpoint_due(cfg, it + 1):
             unshard(units, full_state)  # the full weights and moments, for end_iter's checkpoint

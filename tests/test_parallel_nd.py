@@ -4,12 +4,15 @@ the one-process run.
 Three spawns, each one launch running many short runs, most of 3 steps against the
 one-process run of the same 3 steps (losses, validation, the final parameters). At 8 ranks
 the issue's mesh layouts: dp_shard 2 x tp 2 x pp 2; HSDP (dp_replicate 2 x dp_shard 2) x tp 2;
-dp_shard 2 x cp 2 x tp 2 (zigzag); pp 2 x cp 2 x dp_shard 2 (contiguous). At 4 ranks: HSDP (dp_replicate 2 x dp_shard 2) for 20 steps (the
-schedule's whole warm-up and decay), every pair of the five axes once for 3 steps (ZeRO-1,
-ZeRO-2, bf16, interleaved and --recompute among them), exact resumes, the 8-rank checkpoint loaded by
-other layouts and strategies, and bad layouts. At 2 ranks
-(quick): dp_shard 2. Every run's bytes per axis are held to axis_bytes (per group and in
-all, nothing sent outside the axes), and its state to state_per_rank.
+dp_shard 2 x cp 2 x tp 2 (zigzag); pp 2 x cp 2 x dp_shard 2 (contiguous); a mixture of
+experts, ep 4 over dp_shard 2 x cp 2 in a pipeline of 2. At 4 ranks: HSDP (dp_replicate 2 x
+dp_shard 2) for 20 steps (the schedule's whole warm-up and decay), every pair of the five
+axes once for 3 steps (ZeRO-1, ZeRO-2, bf16, interleaved and --recompute among them), exact
+resumes, the 8-rank checkpoints loaded by other layouts and strategies, three more mixtures
+of experts (ep on the dp_shard group, on the cp ring, bf16 with allgather), and bad layouts.
+At 2 ranks (quick): dp_shard 2. Every run's bytes per axis are held to axis_bytes (per group
+and in all, nothing sent outside the axes; the experts' ep and ep_dp too), and its state to
+state_per_rank.
 """
 import contextlib
 import io
@@ -206,7 +209,9 @@ def check_bytes(records, argv):
             assert sum(sent) == world_sum, (mesh, a)
             assert world_sum == total[a] or routing and a == "ep", (mesh, a)  # routing: its own expectation
         assert r["comm_bytes"] == [sum(r[f"comm_bytes_{a}"][i] for a in P.axes(config)) for i in range(world)]
-    sizes = dict(mesh._asdict(), **({"ep": cfg.ep, "ep_dp": mesh.dp_shard * mesh.cp // cfg.ep} if config.n_expert else {}))
+    sizes = mesh._asdict()
+    if config.n_expert:
+        sizes.update(ep=cfg.ep, ep_dp=mesh.dp_shard * mesh.cp // cfg.ep)
     assert all((total[a] > 0) == (n > 1) for a, n in sizes.items())  # a formula that can fail
     state = [P.state_per_rank(config, cfg, mesh, P.coords(i, mesh).pp, P.coords(i, mesh).dp_shard)
              for i in range(world)]
@@ -315,7 +320,8 @@ def test_mesh_and_formulas_on_paper():
                 c = [P.coords(r, mesh) for r in g]
                 j = [x.dp_shard * mesh.cp + x.cp for x in c]
                 assert len(g) == n and len({(x.pp, x.dp_replicate, x.tp) for x in c}) == 1
-                assert j == (list(range(j[0], j[0] + ep)) if a == "ep" else list(range(j[0], mesh.dp_shard * mesh.cp, ep)))
+                step = 1 if a == "ep" else ep
+                assert j == list(range(j[0], j[0] + n * step, step))
     assert P.ep_groups(P.Mesh(1, 1, 4, 1, 1), 2) == {"ep": [[0, 1], [2, 3]], "ep_dp": [[0, 2], [1, 3]]}
     assert P.ep_groups(P.Mesh(2, 3, 2, 2, 3), 2)["ep"][0] == [0, 3]  # ep 2 = the cp group here (and ep_dp, dp_shard's)
     import context_parallel
