@@ -7,13 +7,16 @@ each stage's matrices over tp ranks; context parallelism cuts each sequence into
 that attend to each other round a ring; and that group of cp·tp ranks is repeated over the
 data axes, each on its own rows of the batch: dp_shard ranks that keep 1/dp_shard of the
 stage's weights, gradients and Adam state (ZeRO), and dp_replicate copies of all that
-(HSDP when both are > 1). Nothing here is new: the pieces are ddp.py's, fsdp.py's,
-tensor_parallel.py's, context_parallel.py's and pipeline_parallel.py's, run on sub-groups.
+(HSDP when both are > 1). A mixture of experts (--n_expert) splits its experts over ep
+ranks borrowed from the dp_shard x cp block, as torchtitan borrows them. Nothing here is
+new: the pieces are ddp.py's, fsdp.py's, tensor_parallel.py's, context_parallel.py's,
+pipeline_parallel.py's and expert_parallel.py's, run on sub-groups.
 
     torchrun --nproc_per_node=8 parallel_nd.py --dp=2 --tp=2 --pp=2 --n_micro=4
     torchrun --nproc_per_node=8 parallel_nd.py --dp_shard=2 --tp=2 --pp=2            # FSDP x TP x PP
     torchrun --nproc_per_node=8 parallel_nd.py --dp_replicate=2 --dp_shard=2 --tp=2  # HSDP x TP
     torchrun --nproc_per_node=8 parallel_nd.py --dp_shard=2 --cp=2 --tp=2 --layout=zigzag
+    torchrun --nproc_per_node=8 parallel_nd.py --dp_shard=2 --cp=2 --tp=2 --n_expert=8 --ep=4  # + EP
     torchrun --nnodes=16 --nproc_per_node=8 ... parallel_nd.py --model=gpt2-xl --pp=4   # see bench/plan_3d.py
 
 The mesh. rank = (((pp_rank·R + rep_rank)·S + shard_rank)·CP + cp_rank)·TP + tp_rank:
@@ -34,18 +37,41 @@ axes, then pipeline outermost. The order follows what each axis sends, and how o
   pp  one activation per micro-batch per boundary forward and its gradient back, b·s·h
       each, to one neighbour: the least, and it tolerates the slowest links.
 Every group is made by C.new_group(ranks), every rank making every group in the same
-order (tp groups, then cp, dp_shard, dp_replicate, pp), even those it is not in. The tie
+order (tp groups, then cp, dp_shard, dp_replicate, pp; with experts ep, ep_dp), even those
+it is not in. The tie
 between the embedding (first stage) and the head (last stage) is summed between the two
 ends of each pipeline group: the same other coordinates, so the same vocabulary rows.
 
 What each axis sends per step is derived in axis_messages(), which the tests hold the log to
 and bench/plan_3d.py uses to predict every layout of a cluster.
 
+Experts (--n_expert=E --ep=N). With j = dp_shard·cp + cp_rank a rank's place in its
+dp_shard x cp block, the ep group is N ranks of one run of j (the other coordinates the
+same; N divides the block and E), each holding E/N experts of every MoE layer and running
+expert_parallel's layer on that group: the all-to-all dispatch (--dispatch=allgather, its
+alternative), 4 passes of the routed rows a layer and micro-batch. Why borrow the data
+axes: an expert sees tokens from N ranks' rows instead of one, without ranks of its own
+(torchtitan, Megatron-Core's expert data parallelism); ep inside the block keeps its
+all-to-alls on the data axes' links, after tp's. What is split, and the formula:
+  - the experts are split by ep and nothing else: not tp-split (every tp rank runs the same
+    tokens through the same experts, each in the ep group of its tp coordinate), not ZeRO-
+    sharded (already 1/N each); 16 bytes an element on every rank (state_per_rank);
+  - the router, the attention and everything else are what they are without experts;
+  - an expert's gradient already holds the N ep ranks' tokens (the all-to-all's backward),
+    so it is summed over the ranks holding the same experts, ep_dp (S·cp/N of them) and
+    dp_replicate, and divided by the R·S·cp data ranks: mean over the global batch;
+  - the balance loss is the one-process run's, per whole sequence (with cp its sums over the
+    ring first), its gradient added where each layer is (a pipeline carries no extra loss).
+Refused: --capacity_factor (GShard's drop order is the whole global micro-batch's, which no
+ep group sees, and a pipeline's micro-batch is not the batch), --sequence_parallel, and what
+runs the all-to-alls twice (--schedule=zb's W, --recompute=full's rerun).
+
 The step: the data rank's rows (dp_replicate x dp_shard of them; the cp ranks of one
 sequence take its positions) are cut into m micro-batches for any of pipeline_parallel's
 schedules, each stage running tensor parallel's pieces on its tp group, its attention on
 the cp ring. Then the tie's sum, dp_shard's reduce-scatter of each unit's gradient, the
-average over cp and dp_replicate, and the clip (squared norms over dp_shard, tp and pp).
+average over cp and dp_replicate (the experts': over ep_dp and dp_replicate), and the clip
+(squared norms over dp_shard, tp and pp; the experts' over ep first).
 
 Sharded data parallel in a pipeline. A stage runs each unit (a block; the stage's ends)
 m times a step, forwards and backwards interleaved by the schedule, so a ZeRO-3 unit is
@@ -60,9 +86,12 @@ Flags: --pp, --dp_replicate (--dp is its old name; 0: the rest), --dp_shard, --c
 --schedule, --n_micro (0: 2·pp with a pipeline, 1 without), --virtual_stages as
 pipeline_parallel.py's (zb with --tp=1 --cp=1: its W walks backward again, which would
 repeat tensor parallel's all-reduces and the ring); --sequence_parallel as
-tensor_parallel.py's; --bucket_mb and --overlap as ddp.py's.
+tensor_parallel.py's; --bucket_mb and --overlap as ddp.py's; --n_expert (--top_k,
+--aux_loss_coef) as model.py's, with --ep (1: every rank holds every expert) and
+--dispatch as expert_parallel.py's.
 """
 from collections import namedtuple
+from contextlib import contextmanager
 from functools import partial
 
 import torch
@@ -72,16 +101,23 @@ import torch.nn.functional as F
 import collectives as C
 import context_parallel as CP
 import ddp as DDP
+import expert_parallel as EP
 import model as M
 import pipeline_parallel as PP
 import tensor_parallel as TP
 
 DEFAULTS = dict(M.TRAIN_DEFAULTS, pp=1, dp_replicate=0, dp=0, dp_shard=1, cp=1, tp=1, zero_stage=3,
                 layout="zigzag", schedule="1f1b", n_micro=0, virtual_stages=2, sequence_parallel=False,
-                bucket_mb=25.0, overlap=True)
+                bucket_mb=25.0, overlap=True, ep=1, dispatch="alltoall")
 Mesh = namedtuple("Mesh", "pp dp_replicate dp_shard cp tp")  # outermost to innermost
 AXES = Mesh._fields
 CREATED = AXES[::-1]  # the order every rank creates the groups in: innermost first
+EP_AXES = ("ep", "ep_dp")  # a mixture of experts' two groups, borrowed from dp_shard x cp, made after the mesh's
+
+
+def axes(config):
+    """The axes a run logs bytes for: the mesh's, and with --n_expert the experts' two."""
+    return AXES + (EP_AXES if config.n_expert else ())
 
 # -----------------------------------------------------------------------------
 # the mesh
@@ -120,25 +156,47 @@ def mesh_groups(mesh):
     return out
 
 
-def make_groups(rank, mesh):
-    """This rank's group on each axis. Every rank calls new_group for every group of every
-    axis, in the same order (torch.distributed numbers groups by creation; on NCCL each
-    creation is a collective over the world). An axis of size 1 still gets a group, of
-    this rank alone: None would mean the whole world to the pieces below."""
+def ep_groups(mesh, ep):
+    """The experts' groups, borrowed from the data and context axes: with j = dp_shard·cp +
+    cp_rank a rank's index in its dp_shard x cp block, "ep" is the ep ranks of one run
+    [j0, j0 + ep) (the other coordinates the same), each holding E/ep experts; "ep_dp" the
+    ranks at the same j mod ep, which hold the same experts (Megatron's expert data parallel
+    group), S·cp/ep of them."""
+    out = {"ep": [], "ep_dp": []}
+    n = mesh.dp_shard * mesh.cp
+
+    def at(c, j):
+        return rank_of(c._replace(dp_shard=j // mesh.cp, cp=j % mesh.cp), mesh)
+    for c in map(partial(coords, mesh=mesh), range(world_of(mesh))):
+        j = c.dp_shard * mesh.cp + c.cp
+        if j % ep == 0:
+            out["ep"].append([at(c, j + i) for i in range(ep)])
+        if j < ep:
+            out["ep_dp"].append([at(c, i) for i in range(j, n, ep)])
+    return out
+
+
+def make_groups(rank, mesh, ep=0):
+    """This rank's group on each axis (ep > 0: and the experts' two). Every rank calls
+    new_group for every group of every axis, in the same order (torch.distributed numbers
+    groups by creation; on NCCL each creation is a collective over the world). An axis of
+    size 1 still gets a group, of this rank alone: None would mean the whole world to the
+    pieces below."""
     mine = {}
-    for axis, groups in mesh_groups(mesh).items():
+    for axis, groups in list(mesh_groups(mesh).items()) + (list(ep_groups(mesh, ep).items()) if ep else []):
         for ranks in groups:
             group = C.new_group(ranks)
             if rank in ranks:
                 mine[axis] = group
-    return {a: mine[a] for a in AXES}
+    return {a: mine[a] for a in AXES + (EP_AXES if ep else ())}
 
 
 def print_mesh(groups, mesh):
     """Rank 0 prints every rank's coordinates and groups, as the groups themselves report
     them (gathered, untracked), one line a rank."""
     me = coords(C.get_rank(), mesh)._asdict()
-    for axis in AXES:
+    sizes = {a: len(C.group_ranks(g)) for a, g in groups.items()}
+    for axis in groups:
         me.update({f"{axis}_{i}": r for i, r in enumerate(C.group_ranks(groups[axis]))})
     rows = C.gather_stats(me)
     if rows is None:
@@ -149,50 +207,80 @@ def print_mesh(groups, mesh):
         if r == 16 and len(rows["pp"]) > 20:
             print(f"  ... {len(rows['pp']) - 16} more")
             break
-        group = {a: [int(rows[f"{a}_{i}"][r]) for i in range(getattr(mesh, a))] for a in AXES}
+        group = {a: [int(rows[f"{a}_{i}"][r]) for i in range(n)] for a, n in sizes.items()}
         print(f"  rank {r:4d} ({', '.join(AXES)}) = ({', '.join(str(int(rows[a][r])) for a in AXES)})  "
-              + "  ".join(f"{a} group {group[a]}" for a in CREATED))
+              + "  ".join(f"{a} group {group[a]}" for a in CREATED + tuple(a for a in EP_AXES if a in group)))
 
 # -----------------------------------------------------------------------------
 # the traffic, in code: shared with bench/plan_3d.py
 
 
+def block_params(config):
+    """(sharded, replicated) elements of one block, outside a mixture's experts: tensor
+    parallelism splits c_attn, the c_proj weights and c_fc (a MoE block: the attention's
+    only); the LayerNorms, the row-parallel biases and a MoE's router are replicated."""
+    h, bias, E = config.n_embd, int(config.bias), config.n_expert
+    if E:
+        return 4 * h * h + 3 * h * bias, 2 * h + 3 * h * bias + E * h
+    return 12 * h * h + 7 * h * bias, 2 * h + 4 * h * bias
+
+
 def stage_params(config, tp, pp, stage):
-    """(sharded, replicated): the parameters a rank of `stage` holds, in elements. Sharded:
-    its 1/tp of every matrix tensor parallelism splits (and the tied matrix's copy on a
-    last stage); replicated: LayerNorms, row-parallel biases, the position embedding."""
+    """(sharded, replicated): the parameters a rank of `stage` holds, in elements, but a
+    mixture's experts (expert_params). Sharded: its 1/tp of every matrix tensor parallelism
+    splits (and the tied matrix's copy on a last stage); replicated: LayerNorms, row-parallel
+    biases, the position embedding, the routers."""
     h, bias = config.n_embd, int(config.bias)
     n_blocks = len(PP.stage_layers(config.n_layer, pp, stage))
-    sharded = n_blocks * (12 * h * h + 7 * h * bias)     # c_attn, c_fc, the two c_proj weights
-    replicated = n_blocks * (2 * h + 4 * h * bias)        # ln_1, ln_2, the two c_proj biases
+    sharded, replicated = (n_blocks * n for n in block_params(config))
     first, last = stage == 0, stage == pp - 1
     sharded += config.vocab_size * h * (first + (last and not first))  # wte, or its copy as the head
     replicated += config.block_size * h * first + (h + h * bias) * last  # wpe; ln_f
     return sharded // tp, replicated
 
 
+def expert_params(config, ep, pp, stage):
+    """The experts' elements a rank of `stage` holds: E/ep of each of its blocks' experts
+    (an expert is the dense MLP's 8h² + 5h), neither tp-split nor ZeRO-sharded."""
+    h, bias, E = config.n_embd, int(config.bias), config.n_expert
+    return len(PP.stage_layers(config.n_layer, pp, stage)) * E // ep * (8 * h * h + 5 * h * bias)
+
+
 def unit_sizes(config, tp, pp, stage):
     """The elements of each ZeRO unit of `stage` on one tp rank: its ends (embeddings on the
-    first stage, final norm and the head's copy on the last; none in the middle), then its blocks."""
+    first stage, final norm and the head's copy on the last; none in the middle), then its
+    blocks (a mixture's experts left out: they stay whole, split by ep instead)."""
     h, bias = config.n_embd, int(config.bias)
     first, last = stage == 0, stage == pp - 1
     ends = (config.vocab_size * h // tp + config.block_size * h) * first + (h + h * bias) * last
     ends += config.vocab_size * h // tp * (last and not first)
-    block = (12 * h * h + 7 * h * bias) // tp + 2 * h + 4 * h * bias
+    sharded, replicated = block_params(config)
+    block = sharded // tp + replicated
     return [ends] * (first or last) + [block] * len(PP.stage_layers(config.n_layer, pp, stage))
 
 
 Message = namedtuple("Message", "axis stage what op n nbytes count")
 
 
-def axis_messages(config, cfg, mesh):
+def axis_messages(config, cfg, mesh, routed=None):
     """Every message of one training step: Message(axis, stage, what, op, n, nbytes, count):
     each group of `axis` on pipeline `stage` (None: the pipeline groups, which span the
     stages) sends `count` of op ("all_reduce"; "rs_ag", a reduce-scatter and an all-gather
     of nbytes; "all_gather", "reduce_scatter" of nbytes in all; "p2p", one message) among its
     n ranks. Activations travel in the compute dtype inside tensor parallel regions and the
     ring, float32 across a stage boundary (pipeline_parallel.BOUNDARY_DTYPE) and in the
-    embedding's region; gradients, weights and norms in float32."""
+    embedding's region; gradients, weights and norms in float32.
+
+    With --n_expert, per MoE layer and micro-batch, on the ep group (N = ep ranks, n = b·s
+    tokens a rank routes, k = top_k; the rows in the compute dtype, the routing in int64):
+    alltoall, the all-gather of every rank's (E, k) choice counts and 4 passes of the rows
+    sent between ranks (dispatch, combine, and both backward): 4·routed rows of h, routed
+    the rows one group's ranks dispatched to each other's experts in the step (routing
+    decides it: None, the expectation under uniform routing, (N-1)·n·k a layer and
+    micro-batch); allgather, the all-gather of the N·n choices, of the N·n rows (backward
+    its reduce-scatter) and the reduce-scatter of the N·n·k outputs (backward an all-gather).
+    Then the experts' gradients averaged over ep_dp and dp_replicate, and the norm's float
+    on ep; with cp > 1, the balance loss's per-sequence sums (b·2E floats) on the cp ring."""
     pp, R, S, cp, tp = mesh
     d = 2 if cfg.dtype == "bfloat16" else 4
     m = cfg.n_micro
@@ -205,6 +293,8 @@ def axis_messages(config, cfg, mesh):
     rerun = getattr(cfg, "recompute", "none") == "full"  # (a plan's cfg may not say)
     region = "rs_ag" if sp else "all_reduce"  # f and g: the same bytes either way
     kv = 2 * b * s * h // tp  # K and V of one rank's positions and heads
+    E, k_top, ep = config.n_expert, config.top_k, getattr(cfg, "ep", 1)  # (a plan's cfg may not say)
+    alltoall = getattr(cfg, "dispatch", "alltoall") != "allgather"
     out = []
     for k in range(pp):
         first, last = k == 0, k == pp - 1
@@ -212,7 +302,7 @@ def axis_messages(config, cfg, mesh):
         sharded, replicated = stage_params(config, tp, pp, k)
         held = sum(-(-n // S) for n in unit_sizes(config, tp, pp, k)) if S > 1 else sharded + replicated
         ring = m * n_blocks * cp * (cp - 1)  # every rank of the ring, every hop, every block, every micro-batch
-        out += [Message("tp", k, "blocks, head", region, tp, b * s * h * d, m * (4 * n_blocks + last)),
+        out += [Message("tp", k, "blocks, head", region, tp, b * s * h * d, m * ((2 if E else 4) * n_blocks + last)),
                 Message("tp", k, "rerun", "all_gather" if sp else "all_reduce", tp, b * s * h * d,
                         m * n_blocks * (3 if sp else 1) * rerun),  # sp: 3 halves of a region (AG, RS, AG)
                 Message("tp", k, "embedding", region, tp, b * s * h * 4, m * first),
@@ -226,6 +316,18 @@ def axis_messages(config, cfg, mesh):
                 Message("dp_shard", k, "gradients", "reduce_scatter", S, 4 * S * held, 1),
                 Message("dp_shard", k, "norm", "all_reduce", S, 4, clip),
                 Message("dp_replicate", k, "gradients", "all_reduce", R, 4 * held, 1)]
+        if E:  # a mixture of experts: every block's MLP
+            layers, n, experts = m * n_blocks, b * s, 4 * expert_params(config, ep, pp, k)
+            rows = (ep - 1) * n * k_top * layers if routed is None else routed
+            out += [Message("ep", k, "counts", "all_gather", ep, ep * E * k_top * 8, layers * alltoall),
+                    Message("ep", k, "rows", "p2p", ep, h * d, 4 * rows * alltoall),
+                    Message("ep", k, "choices", "all_gather", ep, ep * n * k_top * 8, layers * (not alltoall)),
+                    Message("ep", k, "rows", "rs_ag", ep, ep * n * h * d, layers * (not alltoall)),
+                    Message("ep", k, "outputs", "rs_ag", ep, ep * n * k_top * h * d, layers * (not alltoall)),
+                    Message("ep", k, "norm", "all_reduce", ep, 4, clip),
+                    Message("ep_dp", k, "experts' gradients", "all_reduce", S * cp // ep, experts, 1),
+                    Message("dp_replicate", k, "experts' gradients", "all_reduce", R, experts, 1),
+                    Message("cp", k, "balance", "all_reduce", cp, b * 2 * E * 4, layers)]
     act = b * (s // tp if sp else s) * h * PP.BOUNDARY_DTYPE.itemsize
     out += [Message("pp", None, "activations", "p2p", pp, act, 2 * (pp * v - 1) * m),  # and their gradients
             Message("pp", None, "tie", "p2p", pp, V // tp * h * 4, 2 * (pp > 1)),  # each end its half
@@ -240,10 +342,11 @@ def group_bytes(op, n, nbytes):
     return nbytes if op == "p2p" else (n - 1) * nbytes * (1 if op in ("all_gather", "reduce_scatter") else 2)
 
 
-def axis_bytes(config, cfg, mesh, stage=None):
+def axis_bytes(config, cfg, mesh, stage=None, routed=None):
     """{axis: bytes per step}. stage=None: sent by every rank of the world on that axis;
     stage=k: sent by the ranks of one group of the axis that a rank of stage k is in (its
-    tp, cp and data groups live on stage k; its pp group spans the stages).
+    tp, cp and data groups live on stage k; its pp group spans the stages). routed: the rows
+    that group's ep ranks dispatched to each other (axis_messages; stage=None: every group's).
 
     What each axis sends per step (per group, summed over its ranks; collectives.py's ring
     and tree all-reduces both send 2(N-1)·S in all; B the global batch, m = --n_micro,
@@ -251,6 +354,7 @@ def axis_bytes(config, cfg, mesh, stage=None):
     vocabulary, L_k the blocks of stage k, d the compute dtype's bytes, Ψ_k the elements a
     rank of stage k holds (stage_params), P_k the same in ZeRO units padded to S·⌈n/S⌉):
       tp (stage k)  m · (4·L_k + [first] + [last]) all-reduces of b·s·h (d; the embedding's 4;
+                    a MoE block 2, its experts not tp-split;
                     --recompute=full: + L_k, the rerun's first g; sequence parallel: + 1.5·L_k),
                     + [last] m·3 all-reduces of b·s floats (the loss) + 1 float (the norm)
                     (--sequence_parallel: each all-reduce a reduce-scatter + all-gather, the
@@ -264,14 +368,17 @@ def axis_bytes(config, cfg, mesh, stage=None):
       dp_replicate  one all-reduce of the gradients the rank holds, float32 (Ψ_k or P_k/S)
       pp            2·(pp·v-1)·m activations of b·s·h floats (b·s·h/tp with sequence parallel:
                     each tp rank sends its own positions), + 2·V/tp·h floats (the tie) + 1 float
+      ep (stage k)  m·L_k MoE layers' exchanges (axis_messages), + 1 float (the norm)
+      ep_dp         one all-reduce of the experts' gradients the rank holds, X_k = expert_params
+                    floats (and one more on dp_replicate)
     bench/plan_3d.py uses this same function to predict the step time of a layout on a
     cluster. Without --sequence_parallel every tp rank sends the whole activation across a
     boundary: tp copies of the same bytes (Megatron's scatter/gather optimisation sends 1/tp
     and all-gathers after); with it, each sends only its own positions.
     """
     world = world_of(mesh)
-    out = dict.fromkeys(AXES, 0)
-    for msg in axis_messages(config, cfg, mesh):
+    out = dict.fromkeys(axes(config), 0)
+    for msg in axis_messages(config, cfg, mesh, routed):
         if stage is None or msg.stage in (None, stage):
             groups = 1 if stage is not None else world // msg.n // (1 if msg.axis == "pp" else mesh.pp)
             out[msg.axis] += msg.count * group_bytes(msg.op, msg.n, msg.nbytes) * groups
@@ -289,11 +396,12 @@ def state_per_rank(config, cfg, mesh, stage, shard_rank):
     (float32 weight, gradient, Adam's m and v). With it, fsdp.state_per_rank's rule on this
     stage's units: each of n elements padded to P = S·⌈n/S⌉, the rank's shard of S' = P/S
     holding R' real elements (Adam's moments only for those):
-      ZeRO-3   4S' + 4S' + 8R'     ZeRO-2   4P + 4S' + 8R'     ZeRO-1   4P + 4P + 8R'"""
+      ZeRO-3   4S' + 4S' + 8R'     ZeRO-2   4P + 4S' + 8R'     ZeRO-1   4P + 4P + 8R'
+    plus a mixture's experts, 16 bytes an element of expert_params at every ZeRO stage."""
     S = mesh.dp_shard
+    total = 16 * expert_params(config, getattr(cfg, "ep", 1), mesh.pp, stage) if config.n_expert else 0
     if S == 1:
-        return 16 * sum(stage_params(config, mesh.tp, mesh.pp, stage))
-    total = 0
+        return total + 16 * sum(stage_params(config, mesh.tp, mesh.pp, stage))
     for n in unit_sizes(config, mesh.tp, mesh.pp, stage):
         size = -(-n // S)
         real = min(max(n - shard_rank * size, 0), size)
@@ -309,10 +417,11 @@ class Stage(nn.Module):
     whole from the seed and cut to this rank's tensor parallel slice (tensor_parallel's
     build), under model.GPT's parameter names. The last stage's head is its own copy of
     this tp rank's slice of the tied matrix (lm_head.weight); one stage: the same one.
-    pos: this cp rank's global positions (None: all of them); ring: its attention's ring.
+    pos: this cp rank's global positions (None: all of them); ring: its attention's ring;
+    moe: MoE -> its layer on the mesh (MeshMoE), for --n_expert.
     gather(unit): called before a unit ("ends", or a block's index) computes (ZeRO-3)."""
 
-    def __init__(self, config, stage, n_stages, seed, group, sp, n_virtual=1, pos=None, ring=None):
+    def __init__(self, config, stage, n_stages, seed, group, sp, n_virtual=1, pos=None, ring=None, moe=None):
         super().__init__()
         self.config, self.group, self.sp, self.pos, self.gather = config, group, sp, pos, lambda unit: None
         self.recompute = "none"  # --recompute: what each block keeps for backward (model.recompute_block)
@@ -321,7 +430,7 @@ class Stage(nn.Module):
         self.chunks = {c: PP.stage_layers(config.n_layer, self.n_chunks, c)
                        for c in range(stage, self.n_chunks, n_stages)}
         self.transformer = nn.ModuleDict(dict(h=nn.ModuleDict(
-            {str(i): TP.parallel_block(M.build_unit(config, i, seed), group, sp) for c in self.chunks
+            {str(i): parallel_block(M.build_unit(config, i, seed), group, sp, moe) for c in self.chunks
              for i in self.chunks[c]})))
         if ring is not None:  # context parallel: model.py's attend() hook, as context_parallel.use_ring
             for block in self.transformer["h"].values():
@@ -358,12 +467,145 @@ class Stage(nn.Module):
         return TP.head_forward(t["ln_f"], self.head(), x, targets, g, sp) if chunk == self.n_chunks - 1 else x
 
     def units(self):
-        """[(key, [(name, parameter)])]: the stage's ends (if any), then each block."""
-        named = list(self.named_parameters())
+        """[(key, [(name, parameter)])]: the stage's ends (if any), then each block, a
+        mixture's experts left out (experts())."""
+        named = [(n, p) for n, p in self.named_parameters() if not hasattr(p, "ep_index")]
         ends = [(n, p) for n, p in named if not n.startswith("transformer.h.")]
         blocks = [(int(i), [(n, p) for n, p in named if n.startswith(f"transformer.h.{i}.")])
                   for i in self.transformer["h"]]
         return ([("ends", ends)] if ends else []) + blocks
+
+
+# -----------------------------------------------------------------------------
+# a mixture of experts on the mesh: expert_parallel's layer on the ep group
+
+
+class MeshMoE(EP.ExpertParallelMoE):
+    """expert_parallel's layer (E/ep experts here, the all-to-all or all-gather dispatch on
+    the ep group, the router replicated), in tensor parallel's (s, b, h) layout, not tp-split:
+    every tp rank runs the same tokens through the same experts, each in its own ep group.
+    Its balance loss is the one-process run's: per whole sequence (with cp, the sequence's
+    sums over the cp ring), its gradient added where the layer is (_AuxLoss): aux_scale =
+    aux_loss_coef / (layers · micro-batches). traffic counts its bytes on the ep group."""
+
+    def __init__(self, moe, mode, wire_dtype, group, cp_group, aux_scale, traffic):
+        super().__init__(moe, mode, wire_dtype, group)
+        self.cp_group, self.aux_scale, self.traffic = cp_group, aux_scale, traffic
+        for p in self.experts.parameters():  # the checkpoint's slice: dim 0, the experts held here
+            p.ep_index = (0, self.first, self.first + self.local)
+
+    def forward(self, x):
+        s, b, h = x.shape
+        tokens = x.reshape(-1, h)  # position-major: only a capacity's drop order would care, and it is refused
+        probs, weights, chosen = M.route(self.router, tokens, self.config.top_k)
+        self.aux = balance_loss(probs.view(s, b, -1), chosen.view(s, b, -1), self.cp_group)
+        with self.traffic.counting():  # forward's messages; backward's between the two marks
+            out, stats = self.run_experts(_Mark.apply(tokens, self.traffic.close), chosen)
+        y = (weights.unsqueeze(-1) * _Mark.apply(out, self.traffic.open)).sum(1)
+        if self.training and not M.rerunning():
+            for name, v in dict(stats, aux_loss=self.aux.detach(), forwards=1).items():
+                self.tally[name] = self.tally.get(name, 0) + v
+        if torch.is_grad_enabled():
+            y = _AuxLoss.apply(y, self.aux, self.aux_scale)
+        return y.view(s, b, h).to(x.dtype)
+
+
+def balance_loss(probs, chosen, cp_group):
+    """model.balance_loss on (s, b, E) probabilities and (s, b, k) choices: E·Σ_e f_e·P_e per
+    sequence, averaged. With cp a sequence's positions lie on cp ranks: the per-sequence
+    counts and probability sums are summed over the ring first (one all-reduce of b·2E floats)."""
+    s, b, E = probs.shape
+    both = torch.cat([F.one_hot(chosen, E).sum((0, 2)).float(), probs.sum(0)], -1)  # (b, 2E)
+    if C.get_world_size(cp_group) > 1:
+        both = _SumShared.apply(both, cp_group)
+    f, P = both.split(E, -1)
+    T = s * C.get_world_size(cp_group)  # the whole sequence
+    return E * (f / (T * chosen.shape[-1]) * (P / T)).sum(-1).mean()
+
+
+class _SumShared(torch.autograd.Function):
+    """The sum over the group, which every rank then uses alike. Backward: the gradient times
+    n, no message: the n ranks' losses are the same function of the sum, so each rank's share
+    gets the same gradient from each, and the gradients' mean over the cp group divides by n."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.n = C.get_world_size(group)
+        out = x.clone()
+        C.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.n, None
+
+
+class _AuxLoss(torch.autograd.Function):
+    """y unchanged; backward also gives the balance loss its gradient, `scale` (Megatron-Core's
+    MoEAuxLossAutoScaler): each stage's layers add their term to the objective where they are,
+    with nothing carried down the pipeline."""
+
+    @staticmethod
+    def forward(ctx, y, aux, scale):
+        ctx.scale = torch.full_like(aux, scale)
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, ctx.scale, None
+
+
+class _Mark(torch.autograd.Function):
+    """x unchanged; `then()` when backward reaches it (the traffic counter's open or close)."""
+
+    @staticmethod
+    def forward(ctx, x, then):
+        ctx.then = then
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.then()
+        return grad, None
+
+
+class Traffic:
+    """Bytes this rank sends on `group` inside marked spans. When the ep group is another
+    axis' group too (ep = cp, or ep = dp_shard without cp: the same ranks, so the same
+    counter in collectives.py), the MoE layers' share is told apart this way."""
+
+    def __init__(self, group):
+        self.group, self.bytes, self.start = group, 0, 0
+
+    def open(self):
+        self.start = C.bytes_sent(self.group)
+
+    def close(self):
+        self.bytes += C.bytes_sent(self.group) - self.start
+
+    @contextmanager
+    def counting(self):
+        self.open()
+        try:
+            yield
+        finally:
+            self.close()
+
+
+def parallel_block(block, group, sp, moe=None):
+    """tensor_parallel's block; a mixture's block has only its attention tp-split, its MLP
+    the mesh's MoE layer (moe(block.mlp))."""
+    if moe is None:
+        return TP.parallel_block(block, group, sp)
+    block.attn.c_attn = TP.ColumnParallelLinear(block.attn.c_attn, group, sp, parts=3)
+    block.attn.c_proj = TP.RowParallelLinear(block.attn.c_proj, group, sp)
+    block.mlp = moe(block.mlp)
+    return block
+
+
+def experts(stage):
+    """[(name, parameter)]: this rank's experts, E/ep of each of the stage's MoE layers."""
+    return [(n, p) for n, p in stage.named_parameters() if hasattr(p, "ep_index")]
 
 
 class Executor(PP.Executor):
@@ -527,11 +769,14 @@ def average(tensors, group):
         t.copy_(g.view_as(t))
 
 
-def checkpoint_entries(stage, tp_group, writer):
+def checkpoint_entries(stage, tp_group, writer, expert_writer=False):
     """tensor_parallel's entries (global names, tp slices, replicas written by tp rank 0),
     written by the first rank of the data and context axes only; the last stage's tied copy
-    is transformer.wte.weight again, loaded but never written (pipeline_parallel's rule)."""
+    is transformer.wte.weight again, loaded but never written (pipeline_parallel's rule).
+    A mixture's experts: dim-0 slices of the global stacked tensors (expert_parallel's), written
+    by tp rank 0 of the first ep group of the data and context axes (expert_writer)."""
     return [("transformer.wte.weight", p, index, False) if name == "lm_head.weight" else
+            (name, p, p.ep_index, write and expert_writer) if hasattr(p, "ep_index") else
             (name, p, index, write and writer)
             for name, p, index, write in TP.checkpoint_entries(stage, tp_group)]
 
@@ -544,25 +789,40 @@ def counted_once(stage, tp_group):
     return lambda p: p is not copy and (hasattr(p, "tp_index") or first)
 
 
-def clip_global_norm(stage, max_norm, tp_group, pp_group):
+def clip_global_norm(stage, max_norm, tp_group, pp_group, extra=None):
     """The norm of the whole model's gradient, each parameter once: tensor_parallel's
     squared norm over the tp group (shards, and replicas on tp rank 0), without the last
-    stage's tied copy; summed over tp, then over pp (one float each); never over dp or cp."""
+    stage's tied copy; summed over tp, then over pp (one float each); never over dp or cp.
+    extra: (squares, gradients) of a mixture's experts (expert_sq), added to the sum."""
     if not max_norm:
         return 0.0
     sharded, replicated = TP.split_params(stage)
+    replicated = [p for p in replicated if not hasattr(p, "ep_index")]
     copy = stage.tied() if stage.last and not stage.first else None
     sq = TP.grad_sq_norm([p for p in sharded if p is not copy], replicated, tp_group)
-    return M.clip_by_global_norm(sq, [p.grad for p in sharded + replicated], max_norm, [tp_group, pp_group])
+    sq, grads = (sq + extra[0], extra[1]) if extra else (sq, [])
+    return M.clip_by_global_norm(sq, [p.grad for p in sharded + replicated] + grads, max_norm, [tp_group, pp_group])
 
 
-def clip_shards(pieces, max_norm, groups):
+def clip_shards(pieces, max_norm, groups, extra=None):
     """The same norm from the gradient shards: every element of a unit lies in one rank's
     shard of the dp_shard group, so its squares are summed over dp_shard, tp and pp."""
     if not max_norm:
         return 0.0
     sq = torch.stack([p.grad.pow(2).sum() if counted else p.grad.new_zeros(()) for _, p, counted in pieces]).sum()
-    return M.clip_by_global_norm(sq, [p.grad for _, p, _ in pieces], max_norm, groups)
+    sq, grads = (sq + extra[0], extra[1]) if extra else (sq, [])
+    return M.clip_by_global_norm(sq, [p.grad for _, p, _ in pieces] + grads, max_norm, groups)
+
+
+def expert_sq(params, me, ep_group, traffic):
+    """The experts' share of the squared norm, (squares, gradients): each ep group holds
+    every expert of its stage once, so their squares summed over it (one float, on ep) are
+    the stage's; counted on one rank of the sums that follow (tp, dp_shard and pp: tp rank 0
+    at dp_shard 0), 0 elsewhere."""
+    sq = torch.stack([p.grad.pow(2).sum() for p in params]).sum()
+    with traffic.counting():
+        C.all_reduce(sq, group=ep_group)
+    return sq * (me.tp == me.dp_shard == 0), [p.grad for p in params]
 
 
 def state_bytes(units, stage, optimizer):
@@ -610,6 +870,14 @@ def layout(cfg, config, world, check=True):
     if cfg.schedule == "interleaved" and (v < 1 or cfg.n_micro % pp or pp * v > config.n_layer):
         M.die(f"--schedule=interleaved needs --n_micro ({cfg.n_micro}) divisible by --pp={pp} and --pp x "
               f"--virtual_stages={v} chunks of at least one of the {config.n_layer} blocks each")
+    ep, E = cfg.ep, config.n_expert
+    if E and (E % ep or S * cp % ep):
+        M.die(f"--ep={ep} must divide the {E} experts (--n_expert) and --dp_shard x --cp = {S * cp}, "
+              f"the ranks it borrows")
+    if E and (cfg.schedule == "zb" or cfg.recompute == "full" or cfg.sequence_parallel or cfg.capacity_factor):
+        M.die("--n_expert here: not with --schedule=zb or --recompute=full (each runs the experts' all-to-alls "
+              "again), --sequence_parallel (not yet), or --capacity_factor (its drop order is the whole global "
+              "micro-batch's, which no ep group sees: expert_parallel.py has it)")
     dp = mesh.dp_replicate * S
     if cfg.batch_size % (dp * cfg.n_micro):
         M.die(f"--batch_size={cfg.batch_size} does not divide into {dp} data parallel ranks "
@@ -635,14 +903,19 @@ def main(argv=None):
               "chunks, and its backward recomputes the attention weights without forward's masks")
     if cfg.dp_shard > 1 and cfg.compile:
         M.die("--compile with --dp_shard > 1: not yet (the units' weights come and go between steps)")
+    cfg.dispatch = "allgather" if cfg.dispatch == "allreduce" else cfg.dispatch  # expert_parallel's old name
+    if cfg.ep < 1 or (cfg.ep > 1 and not cfg.n_expert) or cfg.dispatch not in EP.DISPATCH:
+        M.die(f"--ep={cfg.ep} must be at least 1, and more than 1 only with --n_expert (a mixture of experts); "
+              f"--dispatch takes {' or '.join(EP.DISPATCH)}, not {cfg.dispatch!r}")
 
-    run = M.start(cfg, "parallel_nd")
+    run = M.start(cfg, "parallel_nd", moe=True)
     rank, world, device, config = run.rank, run.world, run.device, run.config
     mesh = layout(cfg, config, world)
     v = PP.virtual_stages(cfg)  # the chunks a stage holds
     sp, n_micro, S, R = cfg.sequence_parallel, cfg.n_micro, mesh.dp_shard, mesh.dp_replicate
     me = coords(rank, mesh)
-    groups = make_groups(rank, mesh)
+    moe, ep = bool(config.n_expert), cfg.ep
+    groups = make_groups(rank, mesh, ep if moe else 0)
     tp_group, cp_group, shard_group, rep_group, pp_group = (groups[a] for a in ("tp", "cp", "dp_shard",
                                                                                "dp_replicate", "pp"))
     last_stage = [r for r in range(world) if coords(r, mesh).pp == mesh.pp - 1]
@@ -650,9 +923,18 @@ def main(argv=None):
 
     ring = CP.Ring(cp_group, cfg.layout) if mesh.cp > 1 else None
     pos = CP.positions(config.block_size, me.cp, mesh.cp, cfg.layout, device) if ring else None
-    stage = Stage(config, me.pp, mesh.pp, cfg.seed, tp_group, sp, v, pos, ring).to(device)
+    make_moe = None
+    if moe:  # expert_parallel's layer on the ep group; its bytes counted apart (Traffic), and ep_dp's
+        ep_group, ep_dp_group = groups["ep"], groups["ep_dp"]
+        traffic = {"ep": Traffic(ep_group), "ep_dp": Traffic(ep_dp_group)}
+        wire = torch.bfloat16 if cfg.dtype == "bfloat16" else None  # the rows travel in the compute dtype
+        make_moe = partial(MeshMoE, mode=cfg.dispatch, wire_dtype=wire, group=ep_group, cp_group=cp_group,
+                           aux_scale=config.aux_loss_coef / (config.n_layer * n_micro), traffic=traffic["ep"])
+    stage = Stage(config, me.pp, mesh.pp, cfg.seed, tp_group, sp, v, pos, ring, make_moe).to(device)
     stage.recompute = cfg.recompute
-    params = list(stage.parameters())
+    expert_named = experts(stage)  # kept whole (E/ep of each layer), out of the ZeRO units and the buckets
+    expert_params = [p for _, p in expert_named]
+    params = [p for p in stage.parameters() if not hasattr(p, "ep_index")]
     sharded, replicated = TP.split_params(stage)
     units, buckets = [], None
     if S > 1:  # dp_shard: fsdp's units on this stage's tp slices; the optimizer steps on the shards
@@ -661,19 +943,19 @@ def main(argv=None):
         if cfg.zero_stage == 3:
             stage.gather = lambda key: by_key[key].gather()  # just in time, once a step
         pieces = [piece for u in units for piece in u.pieces(counted_once(stage, tp_group))]
-        optimizer = M.make_optimizer([(name, p) for name, p, _ in pieces], cfg, device)
+        optimizer = M.make_optimizer([(name, p) for name, p, _ in pieces] + expert_named, cfg, device)
     else:  # the dp_replicate all-reduce: ddp.py's buckets on this rank's parameters
         buckets = DDP.GradBuckets(params, cfg.bucket_mb, cfg.overlap, rep_group) if R > 1 else None
         optimizer = M.make_optimizer(stage.named_parameters(), cfg, device)
     run.layout = dict(mesh._asdict(), zero_stage=cfg.zero_stage, layout=cfg.layout, schedule=cfg.schedule,
-                      n_micro=n_micro, sequence_parallel=sp)
+                      n_micro=n_micro, sequence_parallel=sp, **(dict(ep=ep, dispatch=cfg.dispatch) if moe else {}))
     def free_units():  # ZeRO-3: a unit's full weights live only from its first use in a step to the step's end
         if cfg.zero_stage == 3:
             for u in units:
                 u.free()
 
     writer = me.dp_replicate == me.dp_shard == me.cp == 0
-    entries = checkpoint_entries(stage, tp_group, writer)
+    entries = checkpoint_entries(stage, tp_group, writer, me.dp_replicate == 0 and me.dp_shard * mesh.cp + me.cp < ep)
     if S > 1:  # the checkpoint holds full tensors: load them into the full weights, then keep the shards
         full_state = FullState(optimizer)
         with C.untracked():
@@ -681,6 +963,7 @@ def main(argv=None):
                 u.gather()  # ZeRO-3: the full weights for now, to load into (or to keep, with nothing to load)
         M.restore(run, entries, full_state)
         reshard(units, full_state, optimizer)
+        optimizer.state.update({p: full_state.state[p] for p in expert_params if p in full_state.state})
         full_state.state.clear()
         free_units()
     else:
@@ -692,11 +975,17 @@ def main(argv=None):
                         pp_group, buckets=buckets if cfg.overlap else None)
     train_plan = PP.plan(cfg.schedule, mesh.pp, n_micro, me.pp, v)
     eval_plan = PP.plan(cfg.schedule, mesh.pp, n_micro, me.pp, v, train=False)
-    formula = {a: axis_bytes(config, cfg, mesh, stage=me.pp)[a] / n for a, n in mesh._asdict().items()}
+    sizes = dict(mesh._asdict(), **({"ep": ep, "ep_dp": S * mesh.cp // ep} if moe else {}))
+    formula = {a: axis_bytes(config, cfg, mesh, stage=me.pp)[a] / n for a, n in sizes.items()}
+    # the axes whose group is the ep (or ep_dp) group too, by its ranks: their counter holds the experts' bytes
+    shared = {e: a for e in EP_AXES if moe for a in AXES if sizes[e] > 1
+              and C.group_ranks(groups[a]) == C.group_ranks(groups[e])}
     if rank == 0:
         print(f"parallel_nd: " + " x ".join(f"{a}={n}" for a, n in mesh._asdict().items()) + f" = {world} ranks"
               f"{f', ZeRO-{cfg.zero_stage}' if S > 1 else ''}{f', {cfg.layout} ring' if ring else ''}"
-              f"{', sequence parallel' if sp else ''}, {M.param_count(config) / 1e6:.2f}M parameters, schedule "
+              f"{', sequence parallel' if sp else ''}"
+              f"{f', {config.n_expert} experts over ep={ep} ({cfg.dispatch})' if moe else ''}, "
+              f"{M.param_count(config) / 1e6:.2f}M parameters, schedule "
               f"{cfg.schedule}, {n_micro} micro-batches of {b} x {s} tokens per pipeline, bubble "
               f"{PP.bubble(cfg.schedule, mesh.pp, n_micro, v):.1%}")
 
@@ -731,6 +1020,8 @@ def main(argv=None):
                 u.zero_grad()
         else:
             optimizer.zero_grad(set_to_none=True)
+        for p in expert_params if S > 1 or buckets else []:
+            p.grad = None
         losses = executor.run(train_plan, rows(it, "train"))
         if buckets:
             buckets.reduce()             # dp_replicate: the average over the replicas (waits for the overlapped ones)
@@ -744,10 +1035,21 @@ def main(argv=None):
             grads = [u.grad for u in units]
             average(grads, cp_group)     # cp: each rank saw its positions' share of the tokens
             average(grads, rep_group)    # dp_replicate: HSDP's all-reduce of the shards
-            norm = clip_shards(pieces, cfg.grad_clip, [shard_group, tp_group, pp_group])
         else:
             average(buckets.buffers if buckets else [p.grad for p in params], cp_group)
-            norm = clip_global_norm(stage, cfg.grad_clip, tp_group, pp_group)
+        extra = None
+        if moe:  # an expert's gradient arrived from its ep group's tokens: summed over the other data ranks
+            grads = [p.grad for p in expert_params]
+            with traffic["ep_dp"].counting():
+                average(grads, ep_dp_group)  # ep_dp: the ranks that hold the same experts
+            average(grads, rep_group)
+            for g in grads:  # the mean over the R·S·cp data ranks: ep of them were summed already
+                g.div_(ep)
+            extra = expert_sq(expert_params, me, ep_group, traffic["ep"]) if cfg.grad_clip else None
+        if S > 1:
+            norm = clip_shards(pieces, cfg.grad_clip, [shard_group, tp_group, pp_group], extra)
+        else:
+            norm = clip_global_norm(stage, cfg.grad_clip, tp_group, pp_group, extra)
         optimizer.step()
         if S > 1 and cfg.zero_stage < 3:
             for u in units:
@@ -756,17 +1058,47 @@ def main(argv=None):
         if S > 1:
             state = state_bytes(units, stage, optimizer)
         else:
-            grads = buckets.buffers if buckets else [p.grad for p in params]
-            state = M.tensor_bytes(params) + M.tensor_bytes(grads) + M.optimizer_state_bytes(optimizer)
+            grads = (buckets.buffers if buckets else [p.grad for p in params]) + [p.grad for p in expert_params]
+            state = M.tensor_bytes(params + expert_params) + M.tensor_bytes(grads) + M.optimizer_state_bytes(optimizer)
         if S > 1 and M.checkpoint_due(cfg, it + 1):
             unshard(units, full_state)  # the full weights and moments, for end_iter's checkpoint
+            full_state.state.update({p: optimizer.state[p] for p in expert_params})
+        counted = {f"comm_bytes_{a}": C.bytes_sent(groups[a]) for a in shared.values()}
+        if moe:
+            logged = moe_stats(run, stage, me, traffic, ep_group, cfg.dispatch)
+            for e, a in shared.items():  # the axis' own bytes: its counter, less the experts' on the same ranks
+                counted[f"comm_bytes_{a}"] -= traffic[e].bytes
+            counted.update({f"comm_bytes_{e}": traffic[e].bytes for e in EP_AXES})
+            if cfg.dispatch == "alltoall":  # the bytes depend on the routing: this step's, as the group routed it
+                formula["ep"] = axis_bytes(config, cfg, mesh, me.pp, logged.pop("routed"))["ep"] / ep
         M.end_iter(run, loss=torch.stack(losses).mean() if losses else 0.0, grad_norm=norm, state_bytes=state,
-                   loss_ranks=last_stage, axes=groups, **{f"formula_bytes_{a}": formula[a] for a in AXES},
-                   peak_micro=executor.peak_held, act_bytes=executor.peak_bytes)
+                   loss_ranks=last_stage, axes={a: g for a, g in groups.items() if f"comm_bytes_{a}" not in counted},
+                   **counted, **{f"formula_bytes_{a}": formula[a] for a in sizes},
+                   peak_micro=executor.peak_held, act_bytes=executor.peak_bytes, **(logged if moe else {}))
+        if moe:
+            for t in traffic.values():
+                t.bytes = 0
         free_units()
     if S > 1 and cfg.save_path:
         unshard(units, full_state)
+        full_state.state.update({p: optimizer.state[p] for p in expert_params})
     return M.finish(run)
+
+
+def moe_stats(run, stage, me, traffic, ep_group, dispatch):
+    """model.moe_log's fields (the experts' loads counted once: tp rank 0's), and under
+    alltoall `routed`, the rows this rank's ep group dispatched to each other in the step,
+    for the formula (an untracked all-reduce of one number: bookkeeping)."""
+    for m in M.moe_layers(stage):
+        if me.tp:
+            m.tally["expert_tokens"] = m.tally["expert_tokens"] * 0
+    logged = M.moe_log(run, stage)
+    if dispatch == "alltoall":
+        routed = torch.tensor([logged["sent_tokens"]], dtype=torch.float64, device=run.device)
+        with C.untracked():
+            C.all_reduce(routed, group=ep_group)
+        logged["routed"] = int(routed.item())
+    return logged
 
 
 if __name__ == "__main__":

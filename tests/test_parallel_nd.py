@@ -4,12 +4,15 @@ the one-process run.
 Three spawns, each one launch running many short runs, most of 3 steps against the
 one-process run of the same 3 steps (losses, validation, the final parameters). At 8 ranks
 the issue's mesh layouts: dp_shard 2 x tp 2 x pp 2; HSDP (dp_replicate 2 x dp_shard 2) x tp 2;
-dp_shard 2 x cp 2 x tp 2 (zigzag); pp 2 x cp 2 x dp_shard 2 (contiguous). At 4 ranks: HSDP (dp_replicate 2 x dp_shard 2) for 20 steps (the
-schedule's whole warm-up and decay), every pair of the five axes once for 3 steps (ZeRO-1,
-ZeRO-2, bf16, interleaved and --recompute among them), exact resumes, the 8-rank checkpoint loaded by
-other layouts and strategies, and bad layouts. At 2 ranks
-(quick): dp_shard 2. Every run's bytes per axis are held to axis_bytes (per group and in
-all, nothing sent outside the axes), and its state to state_per_rank.
+dp_shard 2 x cp 2 x tp 2 (zigzag); pp 2 x cp 2 x dp_shard 2 (contiguous); a mixture of
+experts, ep 4 over dp_shard 2 x cp 2 in a pipeline of 2. At 4 ranks: HSDP (dp_replicate 2 x
+dp_shard 2) for 20 steps (the schedule's whole warm-up and decay), every pair of the five
+axes once for 3 steps (ZeRO-1, ZeRO-2, bf16, interleaved and --recompute among them), exact
+resumes, the 8-rank checkpoints loaded by other layouts and strategies, three more mixtures
+of experts (ep on the dp_shard group, on the cp ring, bf16 with allgather), and bad layouts.
+At 2 ranks (quick): dp_shard 2. Every run's bytes per axis are held to axis_bytes (per group
+and in all, nothing sent outside the axes; the experts' ep and ep_dp too), and its state to
+state_per_rank.
 """
 import contextlib
 import io
@@ -58,6 +61,17 @@ PAIRS4 = {  # every pair of the five axes, at 2 x 2, 3 steps each
 # cut again; and without a shard axis, the replicas and both tied copies
 RESUMED = {"zero3": mesh_flags(2, 1, 2), "ddp": mesh_flags(2, 2, 1, 1, 1)}
 SAVED8 = "shard x tp x pp"  # its checkpoint (step 3) is loaded at 4 ranks by tp x pp, fsdp.py and ddp.py
+# a mixture of experts (4 experts, top 2), against the one-process ddp.py --n_expert=4 run of the same 3 steps:
+# at 8 ranks ep 4 over dp_shard 2 x cp 2 in a 1F1B pipeline of 2, its checkpoint loaded at 4 ranks by a MoE
+# layout and by ddp.py; at 4 ranks ep 2 on the dp_shard group (ZeRO-3, with tp), on the
+# cp ring in an interleaved pipeline, and on the cp ring with dp_replicate's buckets in bf16 with allgather
+MOE = ["--n_expert=4", "--top_k=2"]
+MOE8 = {"moe ep4 over shard x cp, pp": mesh_flags(2, 1, 2, 2, 1, "--ep=4", "--n_micro=2", *MOE)}
+MOE4 = {"moe shard x tp": mesh_flags(1, 1, 2, 1, 2, "--ep=2", *MOE),
+        "moe pp x cp": mesh_flags(2, 1, 1, 2, 1, "--ep=2", "--layout=contiguous", "--schedule=interleaved",
+                                  "--n_micro=2", *MOE),
+        "moe rep x cp bf16": mesh_flags(1, 2, 1, 2, 1, "--ep=2", "--dispatch=allgather", "--dtype=bfloat16", *MOE)}
+MOE_LOADED = {"nd": mesh_flags(1, 1, 2, 1, 2, "--ep=2"), "ddp": []}  # + MOE
 BAD = {  # flags -> the one line's text
     ("--dp_shard=3",): "--pp=1 x --dp_shard=3 x --cp=1 x --tp=1 = 3 ranks does not divide the world size 4",
     ("--dp_replicate=2", "--dp_shard=1", "--tp=1"): "= 2 ranks, but the world has 4",
@@ -65,6 +79,10 @@ BAD = {  # flags -> the one line's text
     ("--cp=4", "--block_size=20"): "--cp=4 needs --block_size (20) divisible into 8 equal chunks",
     ("--cp=2", "--sequence_parallel=True"): "--cp > 1 needs --sequence_parallel=False",
     ("--dp=2", "--dp_replicate=4"): "--dp is --dp_replicate's old name",
+    ("--ep=2",): "more than 1 only with --n_expert",
+    ("--n_expert=4", "--ep=4", "--dp_shard=2", "--dp_replicate=2"): "--ep=4 must divide the 4 experts (--n_expert) "
+                                                                     "and --dp_shard x --cp = 2",
+    ("--n_expert=4", "--capacity_factor=1.0", "--dp_shard=4"): "--n_expert here: not with",
 }
 
 
@@ -96,6 +114,8 @@ def _run_all(rank, world, train_args, out, shared):
     if world == 8:
         for name, flags in LAYOUTS8.items():
             run(name, flags + THREE + [f"--out_dir={shared}/ckpt8"] * (name == SAVED8), save=True)
+        for name, flags in MOE8.items():
+            run(name, flags + THREE + [f"--out_dir={shared}/ckpt8moe"], save=True)
     if world == 4:
         run("long", LONG4, save=True)
         for name, flags in PAIRS4.items():
@@ -110,6 +130,12 @@ def _run_all(rank, world, train_args, out, shared):
         loaded = {name: _quiet(fn, train_args + flags + after)[0] for name, fn, flags in
                   [("tp x pp", P.main, mesh_flags(2, 1, 1, 1, 2)), ("fsdp", fsdp.main, []), ("ddp", ddp.main, [])]}
         results["loaded"] = {name: records[0]["loss"] for name, records in loaded.items() if records}  # rank 0's
+        for name, flags in MOE4.items():
+            run(name, flags + THREE, save="bfloat16" not in flags)
+        after = ["--max_iters=4", "--eval_interval=0", f"--resume={shared}/ckpt8moe/step_000003"] + MOE
+        loaded = {name: _quiet(fn, train_args + MOE_LOADED[name] + after)[0] for name, fn in
+                  [("nd", P.main), ("ddp", ddp.main)]}
+        results["moe loaded"] = {name: records[0]["loss"] for name, records in loaded.items() if records}
         for flags in BAD:
             results[flags] = _bad(train_args + list(flags))
     if world == 2:
@@ -125,6 +151,17 @@ def reference_three(train_args, tmp_path_factory):
     path = str(tmp_path_factory.mktemp("reference_three") / "state.pt")
     with contextlib.redirect_stdout(io.StringIO()):
         records = ddp.main(train_args + THREE + [f"--save_path={path}"])
+    return records, torch.load(path)
+
+
+@pytest.fixture(scope="module")
+def reference_moe(train_args, tmp_path_factory):
+    """The one-process run of ddp.py --n_expert=4 for the 3 steps of THREE: (records, final state_dict)."""
+    import ddp
+    torch.set_num_threads(1)
+    path = str(tmp_path_factory.mktemp("reference_moe") / "state.pt")
+    with contextlib.redirect_stdout(io.StringIO()):
+        records = ddp.main(train_args + THREE + MOE + [f"--save_path={path}"])
     return records, torch.load(path)
 
 
@@ -145,27 +182,37 @@ def runs(train_args, tmp_path_factory):
 def _mesh(argv):
     cfg = M.parse_args(P.DEFAULTS, argv)
     cfg.n_micro = cfg.n_micro or (2 * cfg.pp if cfg.pp > 1 else 1)
-    config = M.make_config("tiny", VOCAB, BLOCK)
+    config = M.make_config("tiny", VOCAB, BLOCK, n_expert=cfg.n_expert, top_k=cfg.top_k)
     return config, cfg, P.layout(cfg, config, 0, check=False)
 
 
 def check_bytes(records, argv):
     """Measured bytes per axis against axis_bytes: each group's sum, and the world's;
-    nothing sent outside the five axes; every axis of size > 1 sends; and the state
-    each rank keeps against state_per_rank."""
+    nothing sent outside the five axes (and a mixture's ep and ep_dp); every axis of size
+    > 1 sends; and the state each rank keeps against state_per_rank. The all-to-all's bytes
+    depend on the routing: each ep group's are held to the formula of the rows its ranks
+    say they dispatched (the log's sent_tokens)."""
     config, cfg, mesh = _mesh(argv)
     world = P.world_of(mesh)
     total = P.axis_bytes(config, cfg, mesh)
+    groups = dict(P.mesh_groups(mesh), **(P.ep_groups(mesh, cfg.ep) if config.n_expert else {}))
+    routing = config.n_expert and cfg.dispatch == "alltoall"
     for r in records:
-        for a in P.AXES:
-            sent = r[f"comm_bytes_{a}"]
-            assert sum(sent) == total[a], (mesh, a, sum(sent), total[a])
-            for ranks in P.mesh_groups(mesh)[a]:
-                want = P.axis_bytes(config, cfg, mesh, stage=P.coords(ranks[0], mesh).pp)[a]
+        for a in P.axes(config):
+            sent, world_sum = r[f"comm_bytes_{a}"], 0
+            for ranks in groups[a]:
+                routed = sum(r["sent_tokens"][i] for i in ranks) if routing and a == "ep" else None
+                want = P.axis_bytes(config, cfg, mesh, stage=P.coords(ranks[0], mesh).pp, routed=routed)[a]
                 assert sum(sent[i] for i in ranks) == want, (mesh, a, ranks)
                 assert sum(r[f"formula_bytes_{a}"][i] for i in ranks) == pytest.approx(want)
-        assert r["comm_bytes"] == [sum(r[f"comm_bytes_{a}"][i] for a in P.AXES) for i in range(world)]
-    assert all((total[a] > 0) == (n > 1) for a, n in mesh._asdict().items())  # a formula that can fail
+                world_sum += want
+            assert sum(sent) == world_sum, (mesh, a)
+            assert world_sum == total[a] or routing and a == "ep", (mesh, a)  # routing: its own expectation
+        assert r["comm_bytes"] == [sum(r[f"comm_bytes_{a}"][i] for a in P.axes(config)) for i in range(world)]
+    sizes = mesh._asdict()
+    if config.n_expert:
+        sizes.update(ep=cfg.ep, ep_dp=mesh.dp_shard * mesh.cp // cfg.ep)
+    assert all((total[a] > 0) == (n > 1) for a, n in sizes.items())  # a formula that can fail
     state = [P.state_per_rank(config, cfg, mesh, P.coords(i, mesh).pp, P.coords(i, mesh).dp_shard)
              for i in range(world)]
     assert records[-1]["state_bytes"] == state, (mesh, records[-1]["state_bytes"], state)
@@ -173,9 +220,11 @@ def check_bytes(records, argv):
 
 def check_run(result, ref):
     """Losses and validation losses within 1e-4 of the reference, the same final parameters,
-    the bytes and the state of check_bytes, and the mesh printed."""
+    the bytes and the state of check_bytes, and the mesh printed (a mixture: the same
+    choices, each expert's rows, as the one process made)."""
     records, printed, path, argv = result
     assert_logs_match(records, ref[0], 1e-4)
+    assert [r.get("expert_tokens") for r in records] == [r.get("expert_tokens") for r in ref[0]]
     assert_logs_match([r for r in records if "val_loss" in r], [r for r in ref[0] if "val_loss" in r],
                       1e-4, key="val_loss")
     assert_states_match(torch.load(path), ref[1])
@@ -189,10 +238,27 @@ def check_run(result, ref):
                 + "  ".join(f"{a} group {groups[a]}" for a in P.CREATED)) in printed
 
 
-def test_every_axis_at_8_ranks(runs, reference_three):
+def test_every_axis_at_8_ranks(runs, reference_three, reference_moe):
     results = runs(8)
     for name in LAYOUTS8:
         check_run(results[name], reference_three)
+    for name in MOE8:
+        check_run(results[name], reference_moe)
+
+
+def test_experts_at_4_ranks(runs, reference_moe):
+    """A mixture of experts on the mesh, against ddp.py --n_expert=4 in one process; the 8-rank
+    MoE checkpoint loaded by another layout and by ddp.py: the same next loss."""
+    results = runs(4)
+    for name, flags in MOE4.items():
+        if "--dtype=bfloat16" in flags:
+            records, _, _, argv = results[name]
+            assert all(abs(r["loss"] - q["loss"]) < 5e-2 for r, q in zip(records, reference_moe[0]))
+            check_bytes(records, argv)
+        else:
+            check_run(results[name], reference_moe)
+    loaded = results["moe loaded"]
+    assert len(loaded) == 2 and max(loaded.values()) - min(loaded.values()) <= 1e-6, loaded
 
 
 def test_every_pair_of_axes_at_4_ranks(runs, reference, reference_three):
@@ -245,6 +311,19 @@ def test_mesh_and_formulas_on_paper():
         groups = P.mesh_groups(mesh)[a]
         assert sorted(r for g in groups for r in g) == list(range(world)) and all(len(g) == n for g in groups)
     assert P.mesh_groups(mesh)["tp"][0] == [0, 1, 2] and P.mesh_groups(mesh)["cp"][0] == [0, 3]
+    # the experts' groups: ep a run of the (dp_shard, cp) index, ep_dp the ranks at the same index mod ep
+    for mesh, ep in [(P.Mesh(2, 3, 2, 2, 3), 2), (P.Mesh(2, 3, 2, 2, 3), 4), (P.Mesh(1, 1, 4, 1, 1), 2)]:
+        got = P.ep_groups(mesh, ep)
+        for a, n in [("ep", ep), ("ep_dp", mesh.dp_shard * mesh.cp // ep)]:
+            assert sorted(r for g in got[a] for r in g) == list(range(P.world_of(mesh))), (mesh, a)
+            for g in got[a]:
+                c = [P.coords(r, mesh) for r in g]
+                j = [x.dp_shard * mesh.cp + x.cp for x in c]
+                assert len(g) == n and len({(x.pp, x.dp_replicate, x.tp) for x in c}) == 1
+                step = 1 if a == "ep" else ep
+                assert j == list(range(j[0], j[0] + n * step, step))
+    assert P.ep_groups(P.Mesh(1, 1, 4, 1, 1), 2) == {"ep": [[0, 1], [2, 3]], "ep_dp": [[0, 2], [1, 3]]}
+    assert P.ep_groups(P.Mesh(2, 3, 2, 2, 3), 2)["ep"][0] == [0, 3]  # ep 2 = the cp group here (and ep_dp, dp_shard's)
     import context_parallel
     import ddp
     import fsdp
@@ -273,3 +352,14 @@ def test_mesh_and_formulas_on_paper():
             mesh = P.Mesh(1, 1, n, 1, 1)
             assert [P.state_per_rank(config, cfg, mesh, 0, r) for r in range(n)] == \
                 fsdp.state_per_rank(config, fcfg, n)
+    # the experts' exchanges at ep = dp_shard = n: expert_parallel's (uniform routing's expectation under
+    # alltoall, exact under allgather), n ranks of it, + the norm's float; and the experts' state
+    import expert_parallel
+    moe = M.make_config("tiny", VOCAB, BLOCK, n_expert=4, top_k=2)
+    for n, dispatch, dtype in [(2, "alltoall", "float32"), (4, "allgather", "bfloat16")]:
+        cfg = SimpleNamespace(**dict(base, dp_shard=n, ep=n, dispatch=dispatch, dtype=dtype))
+        mesh = P.Mesh(1, 1, n, 1, 1)
+        assert P.axis_bytes(moe, cfg, mesh)["ep"] == pytest.approx(
+            n * expert_parallel.exchange_bytes(moe, cfg, n) + 2 * (n - 1) * 4)
+        assert P.expert_params(moe, n, 1, 0) * n == moe.n_layer * M.mlp_params(moe, 4) - moe.n_layer * 4 * moe.n_embd
+    assert P.axis_bytes(config, SimpleNamespace(**base), P.Mesh(1, 1, 1, 1, 1)).keys() == set(P.AXES)  # dense: 5
