@@ -662,16 +662,23 @@ def new_group(ranks):
 _lock = threading.Lock()
 _bytes = defaultdict(int)        # op name -> payload bytes this rank has sent
 _group_bytes = defaultdict(int)  # the group's global ranks, as a tuple -> payload bytes sent on it
+_handle_bytes = defaultdict(int)  # the group itself -> payload bytes sent through it
 _untracked_depth = 0
 _running = threading.local()     # .op = (name, tracked) of the op this thread runs now
 
 
 def bytes_sent(group=None):
-    """Payload bytes this rank has sent: in all, or only on `group` (a group or a tuple of
-    its global ranks; dist.group.WORLD is the world's own traffic, not the total)."""
-    key = None if group is None else tuple(group) if isinstance(group, (tuple, list)) else tuple(group_ranks(group))
+    """Payload bytes this rank has sent: in all (None); through `group`, a group object
+    (dist.group.WORLD: the world's own traffic, not the total); or among a tuple of global
+    ranks, whichever groups carried it. Two groups of the same ranks (two new_group calls)
+    count apart by object: parallel_nd's ep group and its cp group when ep = cp, say, each
+    log their own bytes."""
     with _lock:
-        return sum(_bytes.values()) if key is None else _group_bytes.get(key, 0)
+        if group is None:
+            return sum(_bytes.values())
+        if isinstance(group, (tuple, list)):
+            return _group_bytes.get(tuple(group), 0)
+        return _handle_bytes.get(_key(group), 0)
 
 
 def bytes_by_op():
@@ -689,6 +696,7 @@ def reset_bytes():
     with _lock:
         _bytes.clear()
         _group_bytes.clear()
+        _handle_bytes.clear()
 
 
 @contextlib.contextmanager
@@ -912,6 +920,7 @@ def _post(step, group, ranks):
         with _lock:
             _bytes[name] += sent
             _group_bytes[tuple(ranks)] += sent
+            _handle_bytes[_key(group)] += sent
     if entry is not None:  # the flight record: what this op has put on the wire so far, and to whom
         entry[3] += sent
         entry[4].update(peer for _, peer, _ in posted)

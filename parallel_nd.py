@@ -91,7 +91,6 @@ tensor_parallel.py's; --bucket_mb and --overlap as ddp.py's; --n_expert (--top_k
 --dispatch as expert_parallel.py's.
 """
 from collections import namedtuple
-from contextlib import contextmanager
 from functools import partial
 
 import torch
@@ -486,11 +485,13 @@ class MeshMoE(EP.ExpertParallelMoE):
     every tp rank runs the same tokens through the same experts, each in its own ep group.
     Its balance loss is the one-process run's: per whole sequence (with cp, the sequence's
     sums over the cp ring), its gradient added where the layer is (_AuxLoss): aux_scale =
-    aux_loss_coef / (layers · micro-batches). traffic counts its bytes on the ep group."""
+    aux_loss_coef / (layers · micro-batches). Its messages go on the ep group, a group of its
+    own even where its ranks are another axis' (ep = cp, or ep = dp_shard without cp):
+    collectives.py counts bytes by the group that sends them, so each axis logs its own."""
 
-    def __init__(self, moe, mode, wire_dtype, group, cp_group, aux_scale, traffic):
+    def __init__(self, moe, mode, wire_dtype, group, cp_group, aux_scale):
         super().__init__(moe, mode, wire_dtype, group)
-        self.cp_group, self.aux_scale, self.traffic = cp_group, aux_scale, traffic
+        self.cp_group, self.aux_scale = cp_group, aux_scale
         for p in self.experts.parameters():  # the checkpoint's slice: dim 0, the experts held here
             p.ep_index = (0, self.first, self.first + self.local)
 
@@ -499,9 +500,8 @@ class MeshMoE(EP.ExpertParallelMoE):
         tokens = x.reshape(-1, h)  # position-major: only a capacity's drop order would care, and it is refused
         probs, weights, chosen = M.route(self.router, tokens, self.config.top_k)
         self.aux = balance_loss(probs.view(s, b, -1), chosen.view(s, b, -1), self.cp_group)
-        with self.traffic.counting():  # forward's messages; backward's between the two marks
-            out, stats = self.run_experts(_Mark.apply(tokens, self.traffic.close), chosen)
-        y = (weights.unsqueeze(-1) * _Mark.apply(out, self.traffic.open)).sum(1)
+        out, stats = self.run_experts(tokens, chosen)
+        y = (weights.unsqueeze(-1) * out).sum(1)
         if self.training and not M.rerunning():
             for name, v in dict(stats, aux_loss=self.aux.detach(), forwards=1).items():
                 self.tally[name] = self.tally.get(name, 0) + v
@@ -553,43 +553,6 @@ class _AuxLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad, ctx.scale, None
-
-
-class _Mark(torch.autograd.Function):
-    """x unchanged; `then()` when backward reaches it (the traffic counter's open or close)."""
-
-    @staticmethod
-    def forward(ctx, x, then):
-        ctx.then = then
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        ctx.then()
-        return grad, None
-
-
-class Traffic:
-    """Bytes this rank sends on `group` inside marked spans. When the ep group is another
-    axis' group too (ep = cp, or ep = dp_shard without cp: the same ranks, so the same
-    counter in collectives.py), the MoE layers' share is told apart this way."""
-
-    def __init__(self, group):
-        self.group, self.bytes, self.start = group, 0, 0
-
-    def open(self):
-        self.start = C.bytes_sent(self.group)
-
-    def close(self):
-        self.bytes += C.bytes_sent(self.group) - self.start
-
-    @contextmanager
-    def counting(self):
-        self.open()
-        try:
-            yield
-        finally:
-            self.close()
 
 
 def parallel_block(block, group, sp, moe=None):
@@ -814,14 +777,13 @@ def clip_shards(pieces, max_norm, groups, extra=None):
     return M.clip_by_global_norm(sq, [p.grad for _, p, _ in pieces] + grads, max_norm, groups)
 
 
-def expert_sq(params, me, ep_group, traffic):
+def expert_sq(params, me, ep_group):
     """The experts' share of the squared norm, (squares, gradients): each ep group holds
     every expert of its stage once, so their squares summed over it (one float, on ep) are
     the stage's; counted on one rank of the sums that follow (tp, dp_shard and pp: tp rank 0
     at dp_shard 0), 0 elsewhere."""
     sq = torch.stack([p.grad.pow(2).sum() for p in params]).sum()
-    with traffic.counting():
-        C.all_reduce(sq, group=ep_group)
+    C.all_reduce(sq, group=ep_group)
     return sq * (me.tp == me.dp_shard == 0), [p.grad for p in params]
 
 
@@ -924,12 +886,11 @@ def main(argv=None):
     ring = CP.Ring(cp_group, cfg.layout) if mesh.cp > 1 else None
     pos = CP.positions(config.block_size, me.cp, mesh.cp, cfg.layout, device) if ring else None
     make_moe = None
-    if moe:  # expert_parallel's layer on the ep group; its bytes counted apart (Traffic), and ep_dp's
+    if moe:  # expert_parallel's layer on the ep group
         ep_group, ep_dp_group = groups["ep"], groups["ep_dp"]
-        traffic = {"ep": Traffic(ep_group), "ep_dp": Traffic(ep_dp_group)}
         wire = torch.bfloat16 if cfg.dtype == "bfloat16" else None  # the rows travel in the compute dtype
         make_moe = partial(MeshMoE, mode=cfg.dispatch, wire_dtype=wire, group=ep_group, cp_group=cp_group,
-                           aux_scale=config.aux_loss_coef / (config.n_layer * n_micro), traffic=traffic["ep"])
+                           aux_scale=config.aux_loss_coef / (config.n_layer * n_micro))
     stage = Stage(config, me.pp, mesh.pp, cfg.seed, tp_group, sp, v, pos, ring, make_moe).to(device)
     stage.recompute = cfg.recompute
     expert_named = experts(stage)  # kept whole (E/ep of each layer), out of the ZeRO units and the buckets
@@ -977,9 +938,6 @@ def main(argv=None):
     eval_plan = PP.plan(cfg.schedule, mesh.pp, n_micro, me.pp, v, train=False)
     sizes = dict(mesh._asdict(), **({"ep": ep, "ep_dp": S * mesh.cp // ep} if moe else {}))
     formula = {a: axis_bytes(config, cfg, mesh, stage=me.pp)[a] / n for a, n in sizes.items()}
-    # the axes whose group is the ep (or ep_dp) group too, by its ranks: their counter holds the experts' bytes
-    shared = {e: a for e in EP_AXES if moe for a in AXES if sizes[e] > 1
-              and C.group_ranks(groups[a]) == C.group_ranks(groups[e])}
     if rank == 0:
         print(f"parallel_nd: " + " x ".join(f"{a}={n}" for a, n in mesh._asdict().items()) + f" = {world} ranks"
               f"{f', ZeRO-{cfg.zero_stage}' if S > 1 else ''}{f', {cfg.layout} ring' if ring else ''}"
@@ -1040,12 +998,11 @@ def main(argv=None):
         extra = None
         if moe:  # an expert's gradient arrived from its ep group's tokens: summed over the other data ranks
             grads = [p.grad for p in expert_params]
-            with traffic["ep_dp"].counting():
-                average(grads, ep_dp_group)  # ep_dp: the ranks that hold the same experts
+            average(grads, ep_dp_group)  # ep_dp: the ranks that hold the same experts
             average(grads, rep_group)
             for g in grads:  # the mean over the R·S·cp data ranks: ep of them were summed already
                 g.div_(ep)
-            extra = expert_sq(expert_params, me, ep_group, traffic["ep"]) if cfg.grad_clip else None
+            extra = expert_sq(expert_params, me, ep_group) if cfg.grad_clip else None
         if S > 1:
             norm = clip_shards(pieces, cfg.grad_clip, [shard_group, tp_group, pp_group], extra)
         else:
@@ -1063,21 +1020,12 @@ def main(argv=None):
         if S > 1 and M.checkpoint_due(cfg, it + 1):
             unshard(units, full_state)  # the full weights and moments, for end_iter's checkpoint
             full_state.state.update({p: optimizer.state[p] for p in expert_params})
-        counted = {f"comm_bytes_{a}": C.bytes_sent(groups[a]) for a in shared.values()}
-        if moe:
-            logged = moe_stats(run, stage, me, traffic, ep_group, cfg.dispatch)
-            for e, a in shared.items():  # the axis' own bytes: its counter, less the experts' on the same ranks
-                counted[f"comm_bytes_{a}"] -= traffic[e].bytes
-            counted.update({f"comm_bytes_{e}": traffic[e].bytes for e in EP_AXES})
-            if cfg.dispatch == "alltoall":  # the bytes depend on the routing: this step's, as the group routed it
-                formula["ep"] = axis_bytes(config, cfg, mesh, me.pp, logged.pop("routed"))["ep"] / ep
+        logged = moe_stats(run, stage, me, ep_group, cfg.dispatch) if moe else {}
+        if "routed" in logged:  # alltoall: the bytes depend on the routing, this step's as the group routed it
+            formula["ep"] = axis_bytes(config, cfg, mesh, me.pp, logged.pop("routed"))["ep"] / ep
         M.end_iter(run, loss=torch.stack(losses).mean() if losses else 0.0, grad_norm=norm, state_bytes=state,
-                   loss_ranks=last_stage, axes={a: g for a, g in groups.items() if f"comm_bytes_{a}" not in counted},
-                   **counted, **{f"formula_bytes_{a}": formula[a] for a in sizes},
-                   peak_micro=executor.peak_held, act_bytes=executor.peak_bytes, **(logged if moe else {}))
-        if moe:
-            for t in traffic.values():
-                t.bytes = 0
+                   loss_ranks=last_stage, axes=groups, **{f"formula_bytes_{a}": formula[a] for a in sizes},
+                   peak_micro=executor.peak_held, act_bytes=executor.peak_bytes, **logged)
         free_units()
     if S > 1 and cfg.save_path:
         unshard(units, full_state)
@@ -1085,7 +1033,7 @@ def main(argv=None):
     return M.finish(run)
 
 
-def moe_stats(run, stage, me, traffic, ep_group, dispatch):
+def moe_stats(run, stage, me, ep_group, dispatch):
     """model.moe_log's fields (the experts' loads counted once: tp rank 0's), and under
     alltoall `routed`, the rows this rank's ep group dispatched to each other in the step,
     for the formula (an untracked all-reduce of one number: bookkeeping)."""

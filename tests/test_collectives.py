@@ -431,7 +431,9 @@ def check_stats_and_barrier(rank, n):
 
 def check_group_bytes(rank, n):
     """At world 4, the 2 x 2 grid of a 2-D parallel run: rows {0,1} {2,3} and columns {0,2} {1,3},
-    made with C.new_group. Bytes are kept per group, by the group's global ranks."""
+    made with C.new_group. Bytes are kept per group object, and per set of global ranks: a
+    second group of a row's ranks (as parallel_nd's ep group may be its cp group's ranks)
+    counts its own by object, and the rows' ranks count both."""
     rows = [C.new_group([0, 1]), C.new_group([2, 3])]
     cols = [C.new_group([2, 0]), C.new_group([1, 3])]  # ranks in any order: a group is a set
     assert [g is None for g in rows] == [rank >= 2, rank < 2]
@@ -455,8 +457,12 @@ def check_group_bytes(rank, n):
     assert C.bytes_sent(row) == S and C.bytes_sent(row_key) == S and C.bytes_sent(list(col_key)) == S // 2
     assert C.bytes_sent(dist.group.WORLD) == want[world] and C.bytes_sent((0, 3)) == 0
     assert C.bytes_sent() == sum(want.values()) == sum(C.bytes_by_op().values())
+    twins = [C.new_group([0, 1]), C.new_group([2, 3])]  # the rows' ranks again, new groups
+    twin = twins[rank // 2]
+    C.all_reduce(x, group=twin)
+    assert C.bytes_sent(twin) == S and C.bytes_sent(row) == S and C.bytes_sent(row_key) == 2 * S
     C.reset_bytes()
-    assert C.bytes_by_group() == {} and C.bytes_sent(row) == 0
+    assert C.bytes_by_group() == {} and C.bytes_sent(row) == 0 and C.bytes_sent(twin) == 0
     check_all_to_all_splits(rank, n, group=row, seed=210)
     check_all_to_all_splits(rank, n, group=col, seed=220)
 
