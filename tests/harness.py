@@ -20,6 +20,7 @@ Two ways in:
       job, no traceback reaching the user): each launch costs 8-20 s on 2 cores.
 Plus read_log / assert_logs_match for the per-iteration JSON logs.
 """
+import contextlib
 import json
 import multiprocessing as mp
 import os
@@ -176,6 +177,19 @@ def assert_refused(results, must_say, printer=0):
             assert err.count("\n") == 1 and err.startswith("error: ") and must_say in err, f"rank {rank}: {err!r}"
         else:
             assert err == "", f"rank {rank} printed too: {err!r}"
+
+
+@contextlib.contextmanager
+def one_thread():
+    """For a run in the pytest process, as every pooled rank runs: two threads on two busy
+    cores run it ~5x slower."""
+    import torch
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def torchrun(script, nproc, args=(), timeout=120, env=None, extra=()):

@@ -6,7 +6,6 @@ pieces on two sub-groups at once, the largest tensor the loss creates, and bad i
 One harness.spawn per world size runs everything for that size (start-up dominates
 on 2 cores); the tests below read its results.
 """
-import contextlib
 import copy
 import json
 import math
@@ -276,17 +275,6 @@ def runs(train_args, small_vocab_dir, tmp_path_factory):
     return get
 
 
-@contextlib.contextmanager
-def one_thread():
-    """For a run in the pytest process: two threads on two busy cores run it ~5x slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
 # ----------------------------------------------------------------------------- the tests
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -445,7 +433,7 @@ def test_bad_input_stops_every_rank(runs, world):
 
 
 def test_one_process_reproduces_reference(train_args, reference_short, tmp_path):
-    with one_thread():
+    with harness.one_thread():
         records = TP.main(train_args + [f"--max_iters={SHORT_STEPS}", f"--save_path={tmp_path / 'state.pt'}"])
     harness.assert_logs_match(records, reference_short[0], tol=1e-4)
     harness.assert_states_match(torch.load(tmp_path / "state.pt"), reference_short[1])
