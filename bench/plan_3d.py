@@ -17,7 +17,10 @@ The model:
            stage holds (parallel_nd.stage_params: 1/tp of the matrices, the small replicas whole); N is the
            ZeRO group, dp_shard (HSDP's shard group; without HSDP all of dp), as parallel_nd.py shards: the
            cp ranks of a sequence hold the same parameters whole and all-reduce their gradients, as HSDP's
-           replicas do (parallel_nd.state_per_rank, axis_messages). ZeRO-3 adds two gathered layers.
+           replicas do (parallel_nd.state_per_rank, axis_messages). ZeRO-3 adds the stage's full
+           weights at the step's peak: parallel_nd.py gathers each unit just before its first use in
+           a step and frees it when the step ends (torchtitan's reshard_after_forward=False, what a
+           pipeline's many micro-batches want), so between steps it holds 16/N, during one 4 + 16/N.
   act      Korthikanti et al. 2022, tp with sequence parallelism: s·b·h·(34 + 5·a·s/h)/t bytes a
            layer; selective recomputation (or flash attention) drops the 5·a·s/h of the scores; full
            recomputation keeps the 2·s·b·h/t input of each layer and one layer's working set. s is the
@@ -40,7 +43,7 @@ The model:
            (m + (p-1)/3) for ZB-H1 (Qi et al. 2023: bubble about (p-1)/(3m)); then what of the dp
            collectives (with the cp ranks' and HSDP replicas' gradient all-reduces) outlasts the compute
            it overlaps (the last micro-batch's backward for gradients, the first one's forward for the
-           parameters' all-gather; ZeRO-3 gathers every micro-batch).
+           parameters' all-gather): once a step at every ZeRO stage, as parallel_nd.py sends them.
 `eff` is the one fitted knob (--check fits it on one published table and predicts the others with it).
 Not modelled: matmul efficiency by shard size (one eff for every GEMM), the optimizer step's own time,
 contention between axes on a node's NICs, NVLink SHARP, kernel launch gaps. Compare rankings first.
@@ -256,7 +259,7 @@ def evaluate(config, cl, run, lay, opt, cache=None):
     if b not in cache:
         cache[b] = stage_costs(config, cl, run, lay, b)
     s, prec = s_full // cp, run.precision
-    mem = slot = t_dp = t_dp_mb = 0.0
+    mem = slot = t_dp = 0.0
     worst = None
     for st in cache[b]:
         k, t_c = st["k"], st["t_c"][recompute]
@@ -264,8 +267,8 @@ def evaluate(config, cl, run, lay, opt, cache=None):
         act = layer_activations(s, b, h, a, tp, recompute, run.flash, prec) * st["layers"] * held(schedule, pp, m, v, k)
         if recompute == "full":
             act += layer_activations(s, b, h, a, tp, "selective", run.flash, prec)  # the layer being recomputed
-        if zero == 3:
-            act += 2 * 12 * h * h / tp * WEIGHT_BYTES[prec]  # two gathered layers
+        if zero == 3:  # the stage's units gathered at their first use in the step, freed at its end
+            act += st["params"] * WEIGHT_BYTES[prec]
         act += s * b * V / tp * (2 + 4) * (k == pp - 1)  # logits, and the float32 copy the loss takes
         if state + act > mem:
             mem, worst = state + act, (state, act)
@@ -273,20 +276,18 @@ def evaluate(config, cl, run, lay, opt, cache=None):
         t_tp = blocks * (1.5 if recompute == "full" else 1) + rest
         exposed = max(0.0, t_tp - t_c) if run.tp_overlap else t_tp
         slot = max(slot, t_c + exposed + 2 * v * st["pp"])  # its activations out, their gradients back
+        # once a step: the gradients behind the last backward, the parameters' all-gather behind the
+        # first forward (ZeRO-1/2 after the update, ZeRO-3 each unit just before its first use)
         grads, gather = st["dp"][min(zero, 1)]
-        if zero == 3:  # gather for forward and backward, reduce-scatter, every micro-batch
-            per_mb = 2 * gather + grads
-            t_dp_mb = max(t_dp_mb, max(0.0, per_mb - t_c) if run.dp_overlap else per_mb)
-        else:  # gradients behind the last backward, the parameters' all-gather behind the first forward
-            hidden = (2 / 3 * t_c, 1 / 3 * t_c) if run.dp_overlap else (0.0, 0.0)
-            t_dp = max(t_dp, max(0.0, grads - hidden[0]) + max(0.0, gather - hidden[1]))
+        hidden = (2 / 3 * t_c, 1 / 3 * t_c) if run.dp_overlap else (0.0, 0.0)
+        t_dp = max(t_dp, max(0.0, grads - hidden[0]) + max(0.0, gather - hidden[1]))
     slots = pipeline_slots(schedule, pp, m, v)
-    step = slots * slot + t_dp + m * t_dp_mb
+    step = slots * slot + t_dp
     flops = M.flops_per_token(config) * run.batch * s_full
     return dict(dp_replicate=dp // shard, dp_shard=shard, zero=zero, tp=tp, pp=pp, cp=cp, schedule=schedule, v=v,
                 recompute=recompute, b=b, m=m, bubble=(slots - m) / slots, state_gb=worst[0] / 1e9,
                 act_gb=worst[1] / 1e9, mem_gb=mem / 1e9, fits=mem <= run.headroom * cl.mem, step_s=step,
-                dp_s=t_dp + m * t_dp_mb, mfu=flops / (step * dp * tp * pp * cp * cl.peak))
+                dp_s=t_dp, mfu=flops / (step * dp * tp * pp * cp * cl.peak))
 
 
 def options(config, run, lay, fixed=None):

@@ -191,3 +191,32 @@ def test_zero_shards_over_dp_shard_as_parallel_nd():
             if pp == 1:
                 row = P.evaluate(config, cl, run, lay, dict(zero=zero, recompute="none", schedule="1f1b", v=1, b=1))
                 assert row["state_gb"] * 1e9 == pytest.approx(want, rel=1e-12), (lay, zero)
+
+
+@pytest.mark.quick
+def test_zero3_is_planned_as_parallel_nd_runs_it():
+    """parallel_nd.py sends the same dp_shard messages a step at every ZeRO stage (one all-gather
+    of the weights, one reduce-scatter of the gradients: axis_messages), and under ZeRO-3 holds
+    each unit's gathered weights from its first use in the step to the step's end: the planner's
+    ZeRO-3 row costs ZeRO-2's dp time, and its peak adds the stage's full weights to ZeRO-3's
+    sharded state (so on the mesh ZeRO-3 saves memory between steps, not at the peak)."""
+    import model as M
+    from parallel_nd import DEFAULTS, Mesh, axis_messages
+    config = M.make_config("tiny", 192, block_size=32)
+    cl = P.SimpleNamespace(**P.CLUSTERS["H100"])
+    run = P.SimpleNamespace(batch=16, precision="fp32", tied=True, bucket_elems=0, eff=P.EFF, flash=False,
+                            tp_overlap=False, dp_overlap=True, headroom=0.9)
+    lay = (4, 1, 2, 1, 4)  # dp 4, all of it dp_shard; pp 2
+    by_stage = {}
+    for zero in (2, 3):
+        cfg = M.parse_args(DEFAULTS, ["--dtype=float32", f"--zero_stage={zero}", "--pp=2", "--n_micro=4"])
+        msgs = [m for m in axis_messages(config, cfg, Mesh(2, 1, 4, 1, 1)) if m.axis == "dp_shard"]
+        by_stage[zero] = sorted((m.what, m.op, m.nbytes, m.count) for m in msgs)
+    assert by_stage[2] == by_stage[3]  # what the planner's equal dp times stand on
+    opt = dict(recompute="none", schedule="1f1b", v=1, b=1)
+    z2, z3 = (P.evaluate(config, cl, run, lay, dict(opt, zero=z)) for z in (2, 3))
+    assert z3["dp_s"] == pytest.approx(z2["dp_s"], rel=1e-12) and z3["step_s"] == pytest.approx(z2["step_s"], rel=1e-12)
+    worst = max(P.stage_costs(config, cl, run, lay, 1), key=lambda st: st["params"])  # pp 2: the larger stage
+    assert z3["state_gb"] * 1e9 == pytest.approx(P.rank_state(worst["params"], "fp32", 3, lay), rel=1e-12)
+    assert z3["mem_gb"] * 1e9 == pytest.approx(z3["state_gb"] * 1e9 + z3["act_gb"] * 1e9, rel=1e-12)
+    assert (z3["act_gb"] - z2["act_gb"]) * 1e9 == pytest.approx(4 * worst["params"], rel=1e-9)
