@@ -144,8 +144,8 @@ def spawn(fn, world_size, *args, timeout=120, fresh=False):
 
 def refuse(module, args):
     """module.main(args) in this process (a rank of a pool, usually), expected to stop with
-    SystemExit: -> (exit code, stderr text); the code is None if it ran to the end instead."""
-    import contextlib
+    SystemExit: -> (exit code, stderr text); the code is 0 if it ran to the end instead, as
+    the process would have exited."""
     import importlib
     import io
     err = io.StringIO()
@@ -154,7 +154,7 @@ def refuse(module, args):
             importlib.import_module(module).main(list(args))
         except SystemExit as e:
             return e.code, err.getvalue()
-    return None, err.getvalue()
+    return 0, err.getvalue()
 
 
 def _refuse(rank, world_size, module, args):
@@ -162,8 +162,8 @@ def _refuse(rank, world_size, module, args):
 
 
 def refusals(module, world_size, args, timeout=120):
-    """module.main(args) on world_size pooled ranks: -> [(exit code or None if it ran to
-    the end, stderr text), ...] by rank. model.die prints on rank 0 only (or the rank that
+    """module.main(args) on world_size pooled ranks: -> [(exit code (0 if it ran to the
+    end), stderr text), ...] by rank. model.die prints on rank 0 only (or the rank that
     alone sees the problem), so every rank's code and only one rank's line are checked."""
     return spawn(_refuse, world_size, module, args, timeout=timeout)
 

@@ -7,9 +7,7 @@ routing counts the test works out itself; training against the one-process `ddp.
 --n_expert` run (loss within 1e-4 at each of 20 steps, same parameters) at 2 and 4
 ranks, both dispatch modes, top_k 1 and 2, with and without a capacity limit; resume
 exactness; and the refusals."""
-import contextlib
 import importlib
-import io
 import math
 import os
 
@@ -18,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import model as M
-from harness import spawn, assert_logs_match, assert_states_match
+from harness import spawn, refuse, assert_logs_match, assert_states_match
 from conftest import SHORT_STEPS, VOCAB
 
 # the one-process references (ddp.py); each parallel run below names one. One run goes the
@@ -268,14 +266,9 @@ def _train(rank, world, train_args, out, ref_dir):
         step = f"step_{RESUME_AT:06d}"
         for name, folder in (("self", f"{out}/ckpt/{step}"), ("ddp", f"{ref_dir}/{step}")):
             results["runs"][("resume", name)] = expert_parallel.main(train_args + MOE["e4k2"] + [f"--resume={folder}"])
-        for name, (module, args) in {"indivisible": (expert_parallel, ["--n_expert=3", "--top_k=1"]),
-                                     "ddp capacity": (ddp, MOE["e8k1cap"])}.items():
-            err = io.StringIO()
-            with contextlib.redirect_stderr(err):
-                try:
-                    module.main(train_args + args)
-                except SystemExit as e:
-                    results["refused"][name] = (e.code, err.getvalue())
+        for name, (module, args) in {"indivisible": ("expert_parallel", ["--n_expert=3", "--top_k=1"]),
+                                     "ddp capacity": ("ddp", MOE["e8k1cap"])}.items():
+            results["refused"][name] = refuse(module, train_args + args)
     return results
 
 

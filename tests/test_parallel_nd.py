@@ -26,7 +26,7 @@ import torch
 import model as M
 import parallel_nd as P
 import pipeline_parallel as PP
-from harness import spawn, assert_logs_match, assert_states_match
+from harness import spawn, refuse, assert_logs_match, assert_states_match
 from conftest import ROOT, VOCAB
 
 sys.path.insert(0, os.path.join(ROOT, "bench"))
@@ -91,17 +91,6 @@ def _quiet(fn, argv):
         return fn(argv), out.getvalue()
 
 
-def _bad(argv):
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-        try:
-            P.main(argv)
-            code = 0
-        except SystemExit as e:
-            code = e.code
-    return code, err.getvalue()
-
-
 def _run_all(rank, world, train_args, out, shared):
     """Every run of one world size, in one process start. -> rank 0's {name: result}."""
     results = {}
@@ -137,7 +126,7 @@ def _run_all(rank, world, train_args, out, shared):
                   [("nd", P.main), ("ddp", ddp.main)]}
         results["moe loaded"] = {name: records[0]["loss"] for name, records in loaded.items() if records}
         for flags in BAD:
-            results[flags] = _bad(train_args + list(flags))
+            results[flags] = refuse("parallel_nd", train_args + list(flags))
     if world == 2:
         run("quick", mesh_flags(1, 1, 2) + THREE, save=True)
     return results if rank == 0 else None
