@@ -85,8 +85,11 @@ def test_every_strategy_traces(train_args, tmp_path):
                 waits = [e for e in mine if e["tid"] == 0 and e["cat"] in ("wait", "comm")]
                 shown = (max(e["ts"] + e["dur"] for e in waits) - end_backward) / 1000
                 logged = records[step]["exposed_comm_ms"][r]
-                # the same interval, stamped a few instructions apart (a clock read, a return)
-                assert abs(shown - logged) < 0.5 + 0.02 * logged, (name, r, step, shown, logged)
+                # the same interval, stamped a few instructions apart (a clock read, a return); a
+                # thread preempted between the two reads adds its time slice (0.85 ms measured on a
+                # loaded 2-core machine), while a wrong interval (from backward's start, or without
+                # the last wait) is off by a whole backward or wait: tens of ms here
+                assert abs(shown - logged) < 2 + 0.1 * logged, (name, r, step, shown, logged)
 
 
 @pytest.mark.quick
