@@ -78,8 +78,18 @@ def _context():
     if "forkserver" not in mp.get_all_start_methods():  # Windows
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed"])  # read when the server starts: once
+    ctx.set_forkserver_preload(PRELOAD)  # read when the server starts: once
     return ctx
+
+
+# what the server imports before it forks any rank. The project's modules too: importing them
+# (torch._dynamo and torch._inductor come with them) costs ~1.3 s of CPU a rank, which every new
+# pool paid N times over on 2 cores (a pool of 4: 5 s) before its first job began. Importing
+# them runs no torch op and starts no thread (checked: one Python thread, and the same OS
+# threads as after `import torch` alone), so the server stays safe to fork. A name that fails
+# to import is skipped by multiprocessing, and the rank imports it when it needs it.
+PRELOAD = ["torch", "torch.distributed", "numpy", "pytest", "model", "collectives", "ddp", "fsdp", "tensor_parallel",
+           "pipeline_parallel", "context_parallel", "expert_parallel", "parallel_nd"]
 
 
 MAX_POOLED_RANKS = 9  # ranks kept alive at once (each ~0.4 GB): 2 + 3 + 4; a pool of 8 displaces the rest
