@@ -2,9 +2,9 @@
 refusal of a corrupt or mismatched checkpoint, and a run that survives a killed rank.
 
 Each strategy's own test file checks that it resumes its own checkpoints exactly; here
-every pair of strategies meets once, at different world sizes: a writer trains 6 steps
-and saves at step 4, a reader of another strategy resumes from it, and its losses at
-iterations 4 and 5 must match the writer's (the first is the loaded weights; the
+every pair of strategies meets once, at different world sizes: a writer trains 4 steps
+and saves at step 2, a reader of another strategy resumes from it, and its losses at
+iterations 2 and 3 must match the writer's (the first is the loaded weights; the
 second, one optimizer step later, shows Adam's state moved too)."""
 import json
 import os
@@ -20,7 +20,7 @@ from harness import ROOT, spawn, torchrun, python, read_log
 SCRIPTS = dict(ddp="ddp.py", fsdp="fsdp.py", tp="tensor_parallel.py", pp="pipeline_parallel.py",
                cp="context_parallel.py")
 MODULES = {k: v[:-3] for k, v in SCRIPTS.items()}
-AT, END = 4, 6  # the checkpoint's step, and the run's last (past the 4 warm-up steps: lr moves)
+AT, END = 2, 4  # the checkpoint's step, and the run's last (in the warm-up: lr moves at every step)
 STEP = f"step_{AT:06d}"
 RUN_ARGS = [f"--max_iters={END}", "--eval_interval=0"]
 CKPT_ARGS = RUN_ARGS + [f"--ckpt_interval={AT}"]
@@ -130,12 +130,12 @@ def test_corrupt_or_mismatched_checkpoint_is_refused(written, train_args, tmp_pa
 
 def test_latest_skips_unfinished_saves_and_keeps_the_newest(train_args, tmp_path):
     out = str(tmp_path / "run")
-    first = ddp_run(train_args + ["--max_iters=8", "--eval_interval=0", "--ckpt_interval=2", "--keep_ckpts=2",
+    first = ddp_run(train_args + ["--max_iters=6", "--eval_interval=0", "--ckpt_interval=2", "--keep_ckpts=2",
                                   f"--out_dir={out}"])
-    assert sorted(os.listdir(out)) == ["step_000006", "step_000008"]
+    assert sorted(os.listdir(out)) == ["step_000004", "step_000006"]
     os.makedirs(f"{out}/step_000010.tmp")  # a save that crashed: not a checkpoint
-    again = ddp_run(train_args + ["--max_iters=8", "--eval_interval=0", f"--out_dir={out}", "--resume=latest"])
-    assert again == []  # resumed at step 8 of 8: nothing left to do
+    again = ddp_run(train_args + ["--max_iters=6", "--eval_interval=0", f"--out_dir={out}", "--resume=latest"])
+    assert again == []  # resumed at step 6 of 6: nothing left to do
     fresh = ddp_run(train_args + ["--max_iters=2", "--eval_interval=0", f"--out_dir={tmp_path}/empty",
                                   "--resume=latest"])
     assert [r["loss"] for r in fresh] == [r["loss"] for r in first[:2]]  # nothing there yet: a fresh start
@@ -199,20 +199,20 @@ def test_sample_from_a_checkpoint(written):
 
 
 def test_a_killed_rank_restarts_and_finishes_the_same(train_args, tmp_path):
-    """torchrun --max_restarts=1: rank 1 is SIGKILLed at iteration 6, after the checkpoint
-    of step 4; every rank restarts, resumes from step 4, and ends on the same losses as
+    """torchrun --max_restarts=1: rank 1 is SIGKILLed at iteration 3, after the checkpoint
+    of step 2; every rank restarts, resumes from step 2, and ends on the same losses as
     a run that was never killed (on the harness's two ranks: the same code, threads and gloo
     as torchrun's, so the same bits, without a second launch). TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1:
     on torch 2.13 with gloo a restarted attempt sometimes cannot reconnect to a store shared
     with the agent."""
-    args = train_args + ["--max_iters=8", "--eval_interval=0", "--ckpt_interval=4", "--resume=latest"]
+    args = train_args + ["--max_iters=5", "--eval_interval=0", "--ckpt_interval=2", "--resume=latest"]
     spawn(_train_ddp, 2, args + [f"--out_dir={tmp_path}/whole", f"--log_file={tmp_path}/whole.jsonl"], timeout=300)
-    env = dict(CRASH_AT="6", CRASH_RANK="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    env = dict(CRASH_AT="3", CRASH_RANK="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
     crashed = torchrun("tests/crash_once.py", 2, ["ddp.py"] + args + [f"--out_dir={tmp_path}/crashed",
                                                                       f"--log_file={tmp_path}/crashed.jsonl"],
                        timeout=300, env=env, extra=["--max_restarts=1"])
     assert crashed.returncode == 0, crashed.stderr[-3000:]
-    assert "resumed from" in crashed.stdout and "step 4" in crashed.stdout
+    assert "resumed from" in crashed.stdout and "step 2" in crashed.stdout
     a, b = read_log(f"{tmp_path}/whole.jsonl"), read_log(f"{tmp_path}/crashed.jsonl")
-    assert [r["iter"] for r in b] == list(range(8))
+    assert [r["iter"] for r in b] == list(range(5))
     assert [r["loss"] for r in a] == [r["loss"] for r in b]  # bit for bit: the same batches, the same state

@@ -20,7 +20,7 @@ from harness import spawn, refuse, assert_logs_match, assert_states_match
 from conftest import SHORT_STEPS, VOCAB
 
 # the one-process references (ddp.py); each parallel run below names one. One run goes the
-# whole 20 steps (warm-up and decay); the others 6, which show a wrong route or a lost token as well
+# whole 20 steps (warm-up and decay); the others SHORT_STEPS, which show a wrong route or a lost token as well
 SHORT = [f"--max_iters={SHORT_STEPS}"]
 MOE = {"e4k2": ["--n_expert=4", "--top_k=2"],
        "e4k2_short": ["--n_expert=4", "--top_k=2"] + SHORT,

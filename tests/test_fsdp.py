@@ -16,9 +16,9 @@ from conftest import BF16_ARGS, SHORT_STEPS, VOCAB
 # "small" at 3 ranks: n_embd=128, so its units do not divide by 3 and the shards are padded
 # (every size of the tiny preset is a multiple of n_embd=96, which 2, 3 and 4 divide).
 # Prefetch 2, 0 and 1 (the default) at 2, 3 and 4 ranks: max_gathered_units must be 1 + prefetch.
-# Every stage at every world size (ZeRO-1/2 at 3 and 4 ranks on the 6-step small runs), so the
+# Every stage at every world size (ZeRO-1/2 at 3 and 4 ranks on the short small runs), so the
 # state of each stage is held to its formula at 2, 3 and 4 ranks, padded shards included.
-SMALL = ["--model=small", "--block_size=32", "--max_iters=6", "--eval_interval=5"]
+SMALL = ["--model=small", "--block_size=32", f"--max_iters={SHORT_STEPS}", "--eval_interval=2"]
 SHORT = [f"--max_iters={SHORT_STEPS}"]  # against the reference's first SHORT_STEPS steps
 RUNS = {
     2: [("zero3_prefetch2_accum2", ["--prefetch=2", "--grad_accum=2"], "tiny"),  # the 20-step run
@@ -33,7 +33,7 @@ RUNS = {
 # at 2 ranks, checkpointed and resumed: (run, the step it resumes from). Late in the run, so the
 # resumed run is short; ZeRO-3 past the schedule's warm-up, ZeRO-1 (which must refresh its full
 # weights from the loaded shards) in its short run.
-RESUMED = {"zero3_prefetch2_accum2": 15, "zero1_accum2": 4}
+RESUMED = {"zero3_prefetch2_accum2": 15, "zero1_accum2": SHORT_STEPS - 1}
 # bf16 at 2 ranks, 4 steps of 8 rows (a bf16 matmul on a CPU without bf16 units costs ~10
 # float32 ones), against the one-process bf16 run of ddp.py
 BF16_STEPS = BF16_ARGS

@@ -6,7 +6,7 @@ the right neighbour; the simulated run ends without deadlock, and its bubble is 
 schedule's formula exactly; 1F1B holds at most p-r micro-batches, ZB-H1 min(p, m), GPipe m;
 and the executor hands every exchange to C.sendrecv with the peers' global ranks.
 Real runs: one spawn per world size runs the schedules at several m (1F1B with one
-micro-batch is GPipe's plan, so it runs once; the extra runs go 6 steps, one run per
+micro-batch is GPipe's plan, so it runs once; the extra runs go 3 steps, one run per
 schedule and world 20) and checks loss, parameters, traffic, memory and the peak
 micro-batches held; at 2 stages also an exact resume of a ZB-H1 run and a bf16 run; at 4,
 two pipelines side by side on sub-groups of non-neighbouring global ranks.
@@ -29,17 +29,18 @@ from conftest import BF16_ARGS, SHORT_STEPS, VOCAB
 # (checked on paper below), so 1F1B's m=1 run would repeat GPipe's. Every run costs steps on
 # shared cores: one goes the whole 20 steps (1F1B at 2 stages, where a step costs half what
 # it does on 4 ranks: the warm-up and the decay), the others SHORT_STEPS; the parameters
-# at the end are checked on all of them
-CONFIGS_AT = {2: [("gpipe", 1, 6), ("gpipe", 4, 6), ("gpipe", 8, 6), ("1f1b", 4, 20), ("1f1b", 8, 6),
-                  ("zb", 2, 6), ("zb", 4, 6), ("interleaved", 2, 6), ("interleaved", 4, 6)],
-              3: [("gpipe", 1, 6), ("gpipe", 8, 6), ("1f1b", 8, 6)],
-              4: [("gpipe", 4, 6), ("1f1b", 4, 6), ("1f1b", 8, 6), ("zb", 4, 6), ("zb", 8, 6),
-                  ("interleaved", 4, 6), ("interleaved", 8, 6)]}
+# at the end are checked on all of them. At 4 stages ZB-H1 and interleaved run m = p only:
+# their m > p steady states run at 2 stages (zb 4, interleaved 4), and on paper for every p, m
+S = SHORT_STEPS
+CONFIGS_AT = {2: [("gpipe", 1, S), ("gpipe", 4, S), ("gpipe", 8, S), ("1f1b", 4, 20), ("1f1b", 8, S),
+                  ("zb", 2, S), ("zb", 4, S), ("interleaved", 2, S), ("interleaved", 4, S)],
+              3: [("gpipe", 1, S), ("gpipe", 8, S), ("1f1b", 8, S)],
+              4: [("gpipe", 4, S), ("1f1b", 4, S), ("1f1b", 8, S), ("zb", 4, S), ("interleaved", 4, S)]}
 V = 2  # --virtual_stages of the interleaved runs (the default)
 TIMELINES = (("1f1b", 8), ("zb", 4), ("interleaved", 4))  # the runs that print --timeline
-AT = 4  # the step the checkpoints below are written at (past the warm-up)
-RESUMED = ("zb", 2, 6)  # at 2 stages: checkpointed at step AT and resumed
-CROSS = ("interleaved", 2, 6)  # at 2 stages: its step-AT checkpoint loads into 1F1B at 3
+AT = 2  # the step the checkpoints below are written at: the short runs' last step is resumed
+RESUMED = ("zb", 2, S)  # at 2 stages: checkpointed at step AT and resumed
+CROSS = ("interleaved", 2, S)  # at 2 stages: its step-AT checkpoint loads into 1F1B at 3
 BATCH, BLOCK = 24, 32  # of conftest.TRAIN_ARGS
 # bf16 on a CPU is slow (no bf16 matmul units): a short run of small batches
 # measured: the pipeline drifts from the one-process bf16 run by up to 1.5e-4 in these 4
@@ -249,7 +250,7 @@ def _run_all(rank, world, train_args, out, cross=None):
         results["too_many_stages"] = refuse("pipeline_parallel", train_args + ["--model=two_blocks"])
         # an uneven split: the 4 blocks of "small" over 3 stages, [2, 1, 1]
         path = os.path.join(out, "pp_uneven.pt")
-        results["uneven"] = (_quiet(PP.main, train_args + ["--model=small", "--max_iters=4", "--n_micro=4",
+        results["uneven"] = (_quiet(PP.main, train_args + ["--model=small", f"--max_iters={S}", "--n_micro=4",
                                                            f"--save_path={path}"])[0], path)
     if world == 4:
         results["sub_pipelines"] = _sub_pipelines(train_args)
@@ -385,7 +386,7 @@ def uneven_reference(train_args, records, state, tmp_path):
     import ddp
     path = str(tmp_path / "ddp_small.pt")
     with contextlib.redirect_stdout(io.StringIO()):
-        ref = ddp.main(train_args + ["--model=small", "--max_iters=4", f"--save_path={path}"])
+        ref = ddp.main(train_args + ["--model=small", f"--max_iters={S}", f"--save_path={path}"])
     assert_logs_match(records, ref, 1e-4)
     assert_states_match(state, torch.load(path), 1e-5)
 
