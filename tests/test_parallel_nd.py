@@ -27,19 +27,25 @@ import model as M
 import parallel_nd as P
 import pipeline_parallel as PP
 from harness import spawn, refuse, assert_logs_match, assert_states_match
-from conftest import ROOT, VOCAB
+from conftest import BF16_ARGS, ROOT, SHORT_STEPS, VOCAB
 
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 import plan_3d  # noqa: E402
 
 BATCH, BLOCK = 24, 32  # conftest.TRAIN_ARGS
+# bf16 runs against the one-process bf16 run of the same steps. Measured: cp x tp (bf16 ring and
+# tp all-reduces) within 7e-5; the mixture over dp_replicate x cp with allgather within 5.4e-4 at
+# step 0 and 7e-4 by step 3: its router reads bf16 activations rounded otherwise than one
+# process's, and a few near-tied choices go to another expert (at step 0, 4 of the 6144 its 12
+# layers make). The old check, against the float32 run, allowed 5e-2.
+BF16_TOL, MOE_BF16_TOL = 5e-4, 2e-3
 
 
 def mesh_flags(pp=1, rep=1, shard=1, cp=1, tp=1, *extra):
     return [f"--pp={pp}", f"--dp_replicate={rep}", f"--dp_shard={shard}", f"--cp={cp}", f"--tp={tp}", *extra]
 
 
-THREE = ["--max_iters=3", "--eval_interval=2", "--eval_iters=1"]  # validation at steps 0 and 2
+THREE = [f"--max_iters={SHORT_STEPS}"]  # 3 steps, validation at steps 0 and 2: conftest.reference_short's
 # name -> flags: 3 steps, compared with the one-process run of the same 3 (losses, validation, parameters)
 LAYOUTS8 = {"shard x tp x pp": mesh_flags(2, 1, 2, 1, 2), "hsdp x tp": mesh_flags(1, 2, 2, 1, 2),
             "shard x cp x tp": mesh_flags(1, 1, 2, 2, 2, "--layout=zigzag"),
@@ -91,6 +97,13 @@ def _quiet(fn, argv):
         return fn(argv), out.getvalue()
 
 
+def run_steps(flags):
+    """A bf16 run goes conftest's bf16 steps (4 of 8 rows: a CPU without bf16 units emulates
+    its matmuls at ~10 float32 ones), against the one-process bf16 run of the same; the
+    others THREE."""
+    return BF16_ARGS if "--dtype=bfloat16" in flags else THREE
+
+
 def _run_all(rank, world, train_args, out, shared):
     """Every run of one world size, in one process start. -> rank 0's {name: result}."""
     results = {}
@@ -108,20 +121,20 @@ def _run_all(rank, world, train_args, out, shared):
     if world == 4:
         run("long", LONG4, save=True)
         for name, flags in PAIRS4.items():
-            run(name, flags + THREE, save="bfloat16" not in " ".join(flags))
+            run(name, flags + run_steps(flags), save="bfloat16" not in flags)
         for name, flags in RESUMED.items():
             steps = ["--max_iters=4", "--eval_interval=0"]
             run(("first", name), flags + steps + [f"--out_dir={out}/ckpt_{name}", "--ckpt_interval=2"])
             run(("resumed", name), flags + steps + [f"--resume={out}/ckpt_{name}/step_000002"])
         import ddp
         import fsdp
-        after = ["--max_iters=4", "--eval_interval=0", f"--resume={shared}/ckpt8/step_000003"]
+        after = ["--max_iters=4", "--eval_interval=0", f"--resume={shared}/ckpt8/step_{SHORT_STEPS:06d}"]
         loaded = {name: _quiet(fn, train_args + flags + after)[0] for name, fn, flags in
                   [("tp x pp", P.main, mesh_flags(2, 1, 1, 1, 2)), ("fsdp", fsdp.main, []), ("ddp", ddp.main, [])]}
         results["loaded"] = {name: records[0]["loss"] for name, records in loaded.items() if records}  # rank 0's
         for name, flags in MOE4.items():
-            run(name, flags + THREE, save="bfloat16" not in flags)
-        after = ["--max_iters=4", "--eval_interval=0", f"--resume={shared}/ckpt8moe/step_000003"] + MOE
+            run(name, flags + run_steps(flags), save="bfloat16" not in flags)
+        after = ["--max_iters=4", "--eval_interval=0", f"--resume={shared}/ckpt8moe/step_{SHORT_STEPS:06d}"] + MOE
         loaded = {name: _quiet(fn, train_args + MOE_LOADED[name] + after)[0] for name, fn in
                   [("nd", P.main), ("ddp", ddp.main)]}
         results["moe loaded"] = {name: records[0]["loss"] for name, records in loaded.items() if records}
@@ -133,17 +146,6 @@ def _run_all(rank, world, train_args, out, shared):
 
 
 @pytest.fixture(scope="module")
-def reference_three(train_args, tmp_path_factory):
-    """The one-process run of ddp.py for the 3 steps of THREE: (records, final state_dict)."""
-    import ddp
-    torch.set_num_threads(1)
-    path = str(tmp_path_factory.mktemp("reference_three") / "state.pt")
-    with contextlib.redirect_stdout(io.StringIO()):
-        records = ddp.main(train_args + THREE + [f"--save_path={path}"])
-    return records, torch.load(path)
-
-
-@pytest.fixture(scope="module")
 def reference_moe(train_args, tmp_path_factory):
     """The one-process run of ddp.py --n_expert=4 for the 3 steps of THREE: (records, final state_dict)."""
     import ddp
@@ -152,6 +154,15 @@ def reference_moe(train_args, tmp_path_factory):
     with contextlib.redirect_stdout(io.StringIO()):
         records = ddp.main(train_args + THREE + MOE + [f"--save_path={path}"])
     return records, torch.load(path)
+
+
+@pytest.fixture(scope="module")
+def reference_moe_bf16(train_args):
+    """The one-process bf16 autocast run of ddp.py --n_expert=4 (conftest's bf16 steps): its records."""
+    import ddp
+    torch.set_num_threads(1)
+    with contextlib.redirect_stdout(io.StringIO()):
+        return ddp.main(train_args + BF16_ARGS + MOE)
 
 
 @pytest.fixture(scope="module")
@@ -227,22 +238,22 @@ def check_run(result, ref):
                 + "  ".join(f"{a} group {groups[a]}" for a in P.CREATED)) in printed
 
 
-def test_every_axis_at_8_ranks(runs, reference_three, reference_moe):
+def test_every_axis_at_8_ranks(runs, reference_short, reference_moe):
     results = runs(8)
     for name in LAYOUTS8:
-        check_run(results[name], reference_three)
+        check_run(results[name], reference_short)
     for name in MOE8:
         check_run(results[name], reference_moe)
 
 
-def test_experts_at_4_ranks(runs, reference_moe):
+def test_experts_at_4_ranks(runs, reference_moe, reference_moe_bf16):
     """A mixture of experts on the mesh, against ddp.py --n_expert=4 in one process; the 8-rank
     MoE checkpoint loaded by another layout and by ddp.py: the same next loss."""
     results = runs(4)
     for name, flags in MOE4.items():
         if "--dtype=bfloat16" in flags:
             records, _, _, argv = results[name]
-            assert all(abs(r["loss"] - q["loss"]) < 5e-2 for r, q in zip(records, reference_moe[0]))
+            assert_logs_match(records, reference_moe_bf16, MOE_BF16_TOL)
             check_bytes(records, argv)
         else:
             check_run(results[name], reference_moe)
@@ -250,19 +261,19 @@ def test_experts_at_4_ranks(runs, reference_moe):
     assert len(loaded) == 2 and max(loaded.values()) - min(loaded.values()) <= 1e-6, loaded
 
 
-def test_every_pair_of_axes_at_4_ranks(runs, reference, reference_three):
+def test_every_pair_of_axes_at_4_ranks(runs, reference, reference_short, reference_bf16):
     results = runs(4)
     check_run(results["long"], reference)
     for name in PAIRS4:
         if "--dtype=bfloat16" in PAIRS4[name]:  # bf16: its bytes; its losses within bf16's rounding
             records, _, _, argv = results[name]
-            assert all(abs(r["loss"] - q["loss"]) < 5e-2 for r, q in zip(records, reference_three[0]))
+            assert_logs_match(records, reference_bf16, BF16_TOL)
             check_bytes(records, argv)
         else:
-            check_run(results[name], reference_three)
+            check_run(results[name], reference_short)
 
 
-def test_checkpoints_and_bad_layouts(runs, reference_short):
+def test_checkpoints_and_bad_layouts(runs, reference):
     """Exact resume at the same layout; dp_shard 2 x tp 2 x pp 2's checkpoint loaded by
     tp 2 x pp 2, fsdp.py and ddp.py at 4 ranks: the next step's loss the same within 1e-6
     whoever computes it, and the one-process run's within 1e-4; bad layouts: one line."""
@@ -273,7 +284,8 @@ def test_checkpoints_and_bad_layouts(runs, reference_short):
         assert [r["loss"] for r in resumed] == [r["loss"] for r in first[2:]], name
     loaded = results["loaded"]
     assert max(loaded.values()) - min(loaded.values()) <= 1e-6, loaded
-    assert abs(loaded["ddp"] - reference_short[0][3]["loss"]) <= 1e-4, loaded
+    # step 3 is still the warm-up, whose learning rates do not depend on --max_iters: the 20-step run's
+    assert abs(loaded["ddp"] - reference[0][SHORT_STEPS]["loss"]) <= 1e-4, loaded
     for flags, message in BAD.items():
         code, err = results[flags]
         assert code != 0 and err.count("\n") == 1 and err.startswith("error:"), (flags, err)
@@ -281,8 +293,8 @@ def test_checkpoints_and_bad_layouts(runs, reference_short):
 
 
 @pytest.mark.quick
-def test_dp_shard_at_2_ranks(runs, reference_three):
-    check_run(runs(2)["quick"], reference_three)
+def test_dp_shard_at_2_ranks(runs, reference_short):
+    check_run(runs(2)["quick"], reference_short)
 
 
 def test_mesh_and_formulas_on_paper():
