@@ -129,8 +129,9 @@ def test_a_problem_one_rank_sees_is_said_by_that_rank(monkeypatch, capsys):
 
 
 # ---------------------------------------------------------------- under torchrun, whichever rank is first
-# torchrun ends the job when its first rank exits. The rank that prints is made 2 s late on
-# purpose: were the silent ranks to exit at once, it would be killed before printing.
+# torchrun ends the job when its first rank exits (its agent looks every 0.1 s). The rank that
+# prints is made 2 s late on purpose: were the silent ranks to exit at once, it would be killed
+# before printing.
 LATE = "0:2"
 
 
