@@ -81,6 +81,17 @@ def reference_short(train_args, tmp_path_factory):
 BF16_ARGS = ["--dtype=bfloat16", "--batch_size=8", "--max_iters=4", "--eval_interval=0"]
 
 
+def moe_preset():
+    """The mixture-of-experts runs' model: the tiny preset with 4 blocks, not 12 (`--model=tiny_moe`).
+    Each block's expert exchanges are a few messages that cost milliseconds on 2 shared cores
+    whatever their size, so 12 blocks paid three times the latency to prove what 4 prove (a
+    pipeline of 2 still gets 2 blocks a stage, interleaved 1 a chunk). Registered where it is
+    used, in the ranks and in this process (as the pipeline's tests register theirs), not at
+    import, so that no other test sees it among the presets."""
+    import model as M
+    M.PRESETS.setdefault("tiny_moe", dict(M.PRESETS["tiny"], n_layer=4))
+
+
 @pytest.fixture(scope="session")
 def reference_bf16(train_args):
     """The one-process bf16 autocast run of ddp.py (TRAIN_ARGS, then BF16_ARGS): its records."""

@@ -4,8 +4,8 @@ The model against a naive token-by-token version of itself (routing, renormalize
 weights, GShard's capacity rule, the balance loss); the expert parallel layer against
 the one-process layer, outputs and gradients, and its bytes against the formula from
 routing counts the test works out itself; training against the one-process `ddp.py
---n_expert` run (loss within 1e-4 at each of 20 steps, same parameters) at 2 and 4
-ranks, both dispatch modes, top_k 1 and 2, with and without a capacity limit; resume
+--n_expert` run (loss within 1e-4 at each of 20 steps, same parameters; the tiny preset at
+4 blocks, conftest.moe_preset) at 2 and 4 ranks, both dispatch modes, top_k 1 and 2, with and without a capacity limit; resume
 exactness; and the refusals."""
 import importlib
 import math
@@ -17,14 +17,15 @@ import torch.nn.functional as F
 
 import model as M
 from harness import spawn, refuse, assert_logs_match, assert_states_match
-from conftest import SHORT_STEPS, VOCAB
+from conftest import SHORT_STEPS, VOCAB, moe_preset
 
 # the one-process references (ddp.py); each parallel run below names one. One run goes the
 # whole 20 steps (warm-up and decay); the others SHORT_STEPS, which show a wrong route or a lost token as well
 SHORT = [f"--max_iters={SHORT_STEPS}"]
-MOE = {"e4k2": ["--n_expert=4", "--top_k=2"],
-       "e4k2_short": ["--n_expert=4", "--top_k=2"] + SHORT,
-       "e8k1cap": ["--n_expert=8", "--top_k=1", "--capacity_factor=1.0"] + SHORT}
+TINY_MOE = ["--model=tiny_moe"]  # conftest.moe_preset: the tiny preset at 4 blocks
+MOE = {"e4k2": TINY_MOE + ["--n_expert=4", "--top_k=2"],
+       "e4k2_short": TINY_MOE + ["--n_expert=4", "--top_k=2"] + SHORT,
+       "e8k1cap": TINY_MOE + ["--n_expert=8", "--top_k=1", "--capacity_factor=1.0"] + SHORT}
 # (reference, strategy, dispatch): 2 and 4 ranks, E = 4 and 8, top_k 1 and 2, with and without a
 # capacity, both modes; the layer checks below add both modes at every world size and the capacity
 # with top_k = 2 (the runs are a covering subset: each costs seconds of CPU per rank and step)
@@ -253,6 +254,7 @@ def expected_bytes(world, E, k, cf, mode, rank):
 def _train(rank, world, train_args, out, ref_dir):
     import ddp
     import expert_parallel
+    moe_preset()
     results = dict(layer=_layer_checks(rank, world, 2 * world), runs={}, refused={})
     for ref, strategy, mode in RUNS[world]:
         path = os.path.join(out, f"{world}_{strategy}_{ref}_{mode}.pt")
@@ -276,6 +278,7 @@ def _train(rank, world, train_args, out, ref_dir):
 def moe_reference(train_args, tmp_path_factory):
     """The one-process runs of ddp.py --n_expert: name -> (records, final state_dict)."""
     import ddp
+    moe_preset()
     out, refs = tmp_path_factory.mktemp("moe_reference"), {}
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the ranks run: on a busy machine more threads only spin
@@ -318,7 +321,7 @@ def test_parity_traffic_resume(world, train_args, moe_reference, tmp_path):
             continue
         assert (sum(records[-1]["dropped_tokens"]) > 0) == ("cap" in ref), where
         cfg = M.parse_args(dict(M.TRAIN_DEFAULTS, dispatch=mode), MOE[ref] + ["--batch_size=24", "--dtype=float32"])
-        moe_config = M.make_config("tiny", VOCAB, 32, 0.0, cfg.n_expert, cfg.top_k, cfg.capacity_factor)
+        moe_config = M.make_config("tiny_moe", VOCAB, 32, 0.0, cfg.n_expert, cfg.top_k, cfg.capacity_factor)
         import expert_parallel as EP
         local = cfg.n_expert // world
         for rec in records:

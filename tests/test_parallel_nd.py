@@ -27,7 +27,7 @@ import model as M
 import parallel_nd as P
 import pipeline_parallel as PP
 from harness import spawn, refuse, assert_logs_match, assert_states_match
-from conftest import BF16_ARGS, ROOT, SHORT_STEPS, VOCAB
+from conftest import BF16_ARGS, ROOT, SHORT_STEPS, VOCAB, moe_preset
 
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 import plan_3d  # noqa: E402
@@ -72,15 +72,7 @@ SAVED8 = "shard x tp x pp"  # its checkpoint (step 3) is loaded at 4 ranks by tp
 # at 8 ranks ep 4 over dp_shard 2 x cp 2 in a 1F1B pipeline of 2, its checkpoint loaded at 4 ranks by a MoE
 # layout and by ddp.py; at 4 ranks ep 2 on the dp_shard group (ZeRO-3, with tp), on the
 # cp ring in an interleaved pipeline, and on the cp ring with dp_replicate's buckets in bf16 with allgather
-MOE = ["--n_expert=4", "--top_k=2", "--model=tiny_moe"]
-
-
-def moe_preset():
-    """The mixtures' model: the tiny preset with 4 blocks, not 12. Each block's expert exchanges
-    are a few messages that cost milliseconds on shared cores, whatever their size; 4 blocks
-    still give a pipeline 2 a stage, and interleaved 1 a chunk. Registered where it is used (in
-    the ranks, and in this process's references and formulas), as the pipeline's tests do."""
-    M.PRESETS.setdefault("tiny_moe", dict(M.PRESETS["tiny"], n_layer=4))
+MOE = ["--n_expert=4", "--top_k=2", "--model=tiny_moe"]  # conftest.moe_preset
 
 
 MOE8 = {"moe ep4 over shard x cp, pp": mesh_flags(2, 1, 2, 2, 1, "--ep=4", "--n_micro=2", *MOE)}
