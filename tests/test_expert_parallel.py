@@ -5,8 +5,8 @@ weights, GShard's capacity rule, the balance loss); the expert parallel layer ag
 the one-process layer, outputs and gradients, and its bytes against the formula from
 routing counts the test works out itself; training against the one-process `ddp.py
 --n_expert` run (loss within 1e-4 at each of 20 steps, same parameters; the tiny preset at
-4 blocks, conftest.moe_preset) at 2 and 4 ranks, both dispatch modes, top_k 1 and 2, with and without a capacity limit; resume
-exactness; and the refusals."""
+4 blocks, conftest.moe_preset) at 2 and 4 ranks, both dispatch modes, top_k 1 and 2, with
+and without a capacity limit; resume exactness; and the refusals."""
 import importlib
 import math
 import os

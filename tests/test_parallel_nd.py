@@ -73,8 +73,6 @@ SAVED8 = "shard x tp x pp"  # its checkpoint (step 3) is loaded at 4 ranks by tp
 # layout and by ddp.py; at 4 ranks ep 2 on the dp_shard group (ZeRO-3, with tp), on the
 # cp ring in an interleaved pipeline, and on the cp ring with dp_replicate's buckets in bf16 with allgather
 MOE = ["--n_expert=4", "--top_k=2", "--model=tiny_moe"]  # conftest.moe_preset
-
-
 MOE8 = {"moe ep4 over shard x cp, pp": mesh_flags(2, 1, 2, 2, 1, "--ep=4", "--n_micro=2", *MOE)}
 MOE4 = {"moe shard x tp": mesh_flags(1, 1, 2, 1, 2, "--ep=2", *MOE),
         "moe pp x cp": mesh_flags(2, 1, 1, 2, 1, "--ep=2", "--layout=contiguous", "--schedule=interleaved",
