@@ -213,6 +213,7 @@ def main(argv=None):
         elif world > 1:
             all_reduce_each(params, group)
         exposed = M.now(device)  # communication that backward did not hide: from here back to t_comm
+        M.span_between("exposed communication", t_comm, exposed)  # in the trace, the interval logged
         # after the all-reduce every rank holds the same gradients, so the local norm is the global norm
         with M.span("optimizer"):
             norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip) if cfg.grad_clip else 0.0

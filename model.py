@@ -1194,6 +1194,13 @@ def _compute_span(name):
         s["t1"] = now(device)
 
 
+def span_between(name, t0, t1):
+    """A span from two stamps already read with now(), for an interval the log also reports:
+    the trace and the log then show one interval, not two reads of it a few instructions apart."""
+    if _tracer is not None:
+        _tracer[0].append(dict(name=name, cat="interval", row="main", t0=t0, t1=t1, bytes=0))
+
+
 def trace_range(text):
     a, dash, b = text.partition("-")
     try:
@@ -1233,7 +1240,7 @@ def trace_end(run, it):
         ts = us(s["t0"])
         event = dict(name=s["name"], cat=s["cat"], ph="X", ts=round(ts, 3), dur=round(max(0.0, us(s["t1"]) - ts), 3),
                      pid=run.rank, tid=1 if s["row"] == "comm" else 0, args=dict(step=it))
-        if s["cat"] != "compute" and s["cat"] != "step":
+        if s["cat"] in ("comm", "wait"):
             event["args"].update(op=s["op"], group=s["ranks"], peers=sorted(s["peers"]), bytes=s["bytes"])
             if s.get("posted") is not None:
                 event["args"]["posted_us"] = round(us(s["posted"]), 3)

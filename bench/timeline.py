@@ -22,7 +22,7 @@ def lanes(events, step=None):
     spans = [e for e in events if e.get("ph") == "X" and (step is None or e["args"].get("step") == step)]
     out = {}
     for e in spans:
-        if e["cat"] != "step":
+        if e["cat"] not in ("step", "interval"):  # an interval (ddp's exposed communication) spans the spans drawn
             out.setdefault((e["pid"], e["tid"]), []).append((e["ts"] / 1e3, e["dur"] / 1e3, e["cat"], e["name"]))
     return out, sorted({e["args"]["step"] for e in spans if e["cat"] == "step"})
 
