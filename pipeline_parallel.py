@@ -231,7 +231,8 @@ class Executor:
     done, weights' gradient not yet), and peak_bytes, the most bytes autograd held for them."""
 
     def __init__(self, stage, act_shape, n_micro, autocast=nullcontext(), model=None, group=None):
-        self.stage, self.model, self.autocast, self.group = stage, model or stage, autocast, group
+        self.stage, self.autocast, self.group = stage, autocast, group
+        self.model = stage if model is None else model  # not `model or stage`: a compiled module has no truth value
         self.act_shape, self.n_micro, self.ranks = act_shape, n_micro, C.group_ranks(group)
         self.params = list(stage.parameters())
         self.device = self.params[0].device
