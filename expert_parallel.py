@@ -140,14 +140,14 @@ class _AllToAll(torch.autograd.Function):
         return out, None, None, None, None
 
 
-@M.eager
+@torch.compiler.disable
 def dispatch(rows, send, recv, group=None):
     """Each rank's chosen rows to the ranks holding their experts: send[j] rows to rank j,
     recv[i] arriving from rank i."""
     return _AllToAll.apply(rows, recv, send, group, "dispatch")
 
 
-@M.eager
+@torch.compiler.disable
 def combine(rows, send, recv, group=None):
     """The experts' outputs home: dispatch's exchange reversed (send, recv as dispatch's)."""
     return _AllToAll.apply(rows, send, recv, group, "combine")
@@ -189,20 +189,20 @@ class _SumScatterRows(torch.autograd.Function):
         return out, None
 
 
-@M.eager
+@torch.compiler.disable
 def gather_tokens(rows, group=None):
     """--dispatch=allgather: the global micro-batch on every rank (all-gather)."""
     return _GatherRows.apply(rows, group)
 
 
-@M.eager
+@torch.compiler.disable
 def sum_outputs(rows, group=None):
     """--dispatch=allgather: each rank's experts' partial outputs summed, every rank
     keeping its own tokens' (reduce-scatter)."""
     return _SumScatterRows.apply(rows, group)
 
 
-@M.eager
+@torch.compiler.disable
 def gather_all(t, group=None):
     """Every rank's t on every rank, (N, *t.shape): an all-gather, no gradient (the choice
     counts, or under allgather the choices themselves)."""

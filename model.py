@@ -1014,30 +1014,6 @@ class Run:
     trace: list = field(default_factory=list)  # --trace: this rank's trace events so far
 
 
-# A collective must run eagerly under torch.compile (a graph break, the math around it compiled):
-# traced, it would reach collectives.py's lock and worker thread. torch.compiler.disable says so,
-# but as a decorator it imports torch._dynamo where the function is defined: 2 to 3 s of CPU a
-# rank, in every run, compiled or not. So @M.eager marks the function, at no cost, and
-# keep_eager() applies torch.compiler.disable to the marked ones once a run is to compile.
-_EAGER = []
-
-
-def eager(fn):
-    """@M.eager: torch.compile runs this function as Python, untraced (from keep_eager() on)."""
-    _EAGER.append(fn)
-    return fn
-
-
-def keep_eager():
-    """torch.compiler.disable each @eager function, in its module, where every caller looks it up
-    (a global read at the call, or module.name): before torch.compile, and once; start() calls
-    it when --compile is set."""
-    for fn in _EAGER:
-        module = sys.modules[fn.__module__]
-        if getattr(module, fn.__name__, None) is fn:
-            setattr(module, fn.__name__, torch.compiler.disable(fn))
-
-
 def start(cfg, strategy, moe=False):
     """Check the common flags and the data, start the process group (with the
     timeout), build the model's config, seed. Every rank checks the same things
@@ -1046,8 +1022,6 @@ def start(cfg, strategy, moe=False):
     delay_for_tests()
     check_flags(cfg)
     check_moe(cfg, strategy, moe)
-    if cfg.compile:
-        keep_eager()
     train, val, vocab_size = load_data(cfg.data_dir)
     # how to read the ids back into text, for sample.py: kept in every checkpoint's manifest
     tokenizer = {k: v for k, v in read_meta(os.path.join(cfg.data_dir, "meta.json")).items() if k in ("tokenizer", "chars")}

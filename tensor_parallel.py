@@ -129,20 +129,20 @@ class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
 
 
 # torch.compile runs these eagerly (a graph break) and compiles the math in between
-@M.eager
+@torch.compiler.disable
 def copy_to_parallel_region(x, group=None):
     """f: x in the matmul's dtype; its gradient all-reduced over the group."""
     x = as_matmul_input(x)
     return x if C.get_world_size(group) == 1 else _CopyToParallelRegion.apply(x, group)
 
 
-@M.eager
+@torch.compiler.disable
 def reduce_from_parallel_region(x, group=None):
     """g: the partial sums x all-reduced over the group; the gradient as it is."""
     return x if C.get_world_size(group) == 1 else _ReduceFromParallelRegion.apply(x, group)
 
 
-@M.eager
+@torch.compiler.disable
 def gather_from_sequence_parallel_region(x, group=None):
     """f with sequence parallelism: (s/N, b, h) in the matmul's dtype, all-gathered to
     (s, b, h); the gradient reduce-scattered."""
@@ -150,7 +150,7 @@ def gather_from_sequence_parallel_region(x, group=None):
     return x if C.get_world_size(group) == 1 else _GatherFromSequenceParallelRegion.apply(x, group)
 
 
-@M.eager
+@torch.compiler.disable
 def reduce_scatter_to_sequence_parallel_region(x, group=None):
     """g with sequence parallelism: (s, b, h) partial sums reduce-scattered to (s/N, b, h);
     the gradient all-gathered."""
@@ -269,7 +269,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return dz, None, None, None
 
 
-@M.eager
+@torch.compiler.disable
 def vocab_parallel_cross_entropy(logits, targets, lo, group=None):
     """Mean cross-entropy over all tokens, in float32, from this rank's (..., V/N) logits
     of the vocabulary rows [lo, lo + V/N)."""

@@ -83,8 +83,8 @@ def _context():
 
 
 # what the server imports before it forks any rank. The project's modules too: importing them
-# costs ~0.5 s of CPU a rank (it was 2 to 3 s while torch.compiler.disable decorated the
-# collectives, bringing torch._dynamo), which every new pool paid N times over on 2 cores. Importing
+# (torch._dynamo and torch._inductor come with them) costs ~1.3 s of CPU a rank, which every new
+# pool paid N times over on 2 cores (a pool of 4: 5 s) before its first job began. Importing
 # them runs no torch op and starts no thread (checked: one Python thread, and the same OS
 # threads as after `import torch` alone), so the server stays safe to fork. A name that fails
 # to import is skipped by multiprocessing, and the rank imports it when it needs it.
