@@ -1,8 +1,8 @@
 """--compile=True at one process: tensor_parallel.py, pipeline_parallel.py, context_parallel.py
 and parallel_nd.py compile and train the same steps as their eager runs. ddp.py's and fsdp.py's
-compiled runs are checked in their own files; expert_parallel.py's collectives behind
-torch.compiler.disable in test_expert_parallel.py (its compiled run, whose routing changes
-shapes every step, costs 13 s here). The test compiles with aot_eager: dynamo traces the
+compiled runs are checked in their own files, and test_expert_parallel.py checks that dynamo
+skips expert_parallel.py's collectives (its compiled run, whose routing changes shapes every
+step, costs 13 s here). The test compiles with aot_eager: dynamo traces the
 strategy's code and AOTAutograd its backward, which is where a strategy can break (a graph
 break where none is meant, a compiled module used as a plain one); inductor only generates
 the kernels, and takes minutes on two CPU cores. A 2-block model: each block's graphs are
