@@ -718,8 +718,11 @@ def test_timeout_names_whom_it_waited_for():
 
 def test_init_distributed_timeout(monkeypatch):
     """timeout_s reaches the rendezvous and init_process_group as a timedelta (none given:
-    torch's default), and each torchrun attempt reads and writes its own part of the store."""
+    torch's default), and each torchrun attempt, and each group a process makes within it (a
+    second main() after the first destroyed its group), reads and writes its own part of the
+    store: sharing one, a group reads the last one's addresses and cannot connect."""
     calls, store = [], object()
+    monkeypatch.setattr(C, "_groups_made", 0)
     monkeypatch.setattr(dist, "init_process_group", lambda *args, **kwargs: calls.append((args, kwargs)))
     monkeypatch.setattr(dist, "rendezvous", lambda url, **kw: iter([(store, 0, 1)]))
     monkeypatch.setattr(dist, "PrefixStore", lambda prefix, s: (prefix, s))
@@ -731,8 +734,9 @@ def test_init_distributed_timeout(monkeypatch):
         C.init_distributed()
     finally:
         C.shutdown()  # no group really made: nothing to destroy
-    common = dict(store=("attempt2/", store), rank=0, world_size=1)
-    assert calls == [(("gloo",), dict(timeout=datetime.timedelta(seconds=3), **common)), (("gloo",), common)], calls
+    common = dict(rank=0, world_size=1)
+    first = dict(timeout=datetime.timedelta(seconds=3), store=("attempt2/group0/", store), **common)
+    assert calls == [(("gloo",), first), (("gloo",), dict(store=("attempt2/group1/", store), **common))], calls
     # on NCCL the watchdog's deadline (the group's timeout) comes a grace period after ours
     calls.clear()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -740,10 +744,10 @@ def test_init_distributed_timeout(monkeypatch):
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
     try:
         C.init_distributed(timeout_s=3)
-        assert C._timeout_s == 3 and C._store == ("attempt2/", store)
+        assert C._timeout_s == 3 and C._store == ("attempt2/group2/", store)
     finally:
         C.shutdown()
-    assert calls == [(("nccl",), dict(device_id=torch.device("cuda", 0), **common,
+    assert calls == [(("nccl",), dict(device_id=torch.device("cuda", 0), store=("attempt2/group2/", store), **common,
                                       timeout=datetime.timedelta(seconds=3 + C.NCCL_GRACE_S)))], calls
     assert C._timeout_s is None and C._store is None
 
