@@ -552,13 +552,12 @@ _groups_made = 0  # world groups this process has made: each reads and writes it
 
 
 def _make_group(timeout_s, device):
-    global _we_created_group, _timeout_s, _group_timeout, _store
+    global _we_created_group, _timeout_s, _group_timeout, _store, _groups_made
     kw = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
     # torchrun's store outlives a failed attempt (--max_restarts), and a process group that
     # a process destroyed to make another (main() called twice): ranks would read the old
     # group's addresses from it and fail to connect. Each attempt, and each group within it,
     # gets its own prefix in the store (every rank makes its groups in the same order).
-    global _groups_made
     store, rank, world = next(dist.rendezvous("env://", **kw))
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     _store = dist.PrefixStore(f"attempt{attempt}/group{_groups_made}/", store)
