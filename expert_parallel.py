@@ -20,8 +20,7 @@ reach the ranks that hold the experts they chose, and come back:
   combine   the reverse all-to-all brings the outputs home; the router weights
             mix them there. Backward is the same two all-to-alls, reversed.
 
---dispatch=allgather, the simple alternative (once named allreduce; that name still
-works): every rank all-gathers the whole global micro-batch and its routing, runs its
+--dispatch=allgather, the simple alternative: every rank all-gathers the whole global micro-batch and its routing, runs its
 experts on the choices routed to them, and a reduce-scatter sums the partial outputs
 back to their ranks; backward, the same pair reversed. An expert's gradient arrives
 through these exchanges from every rank's tokens, so it is never all-reduced; the
@@ -234,8 +233,6 @@ def clip_global_norm(replicated, experts, max_norm, group=None):
 
 def main(argv=None):
     cfg = M.parse_args(DEFAULTS, argv, __doc__)
-    if cfg.dispatch == "allreduce":  # its first name; it all-gathers and reduce-scatters, all-reducing nothing
-        cfg.dispatch = "allgather"
     if cfg.dispatch not in DISPATCH:
         M.die(f"--dispatch takes alltoall or allgather, not {cfg.dispatch!r}")
     if cfg.n_expert == 0:

@@ -12,7 +12,7 @@ ranks borrowed from the dp_shard x cp block, as torchtitan borrows them. Nothing
 new: the pieces are ddp.py's, fsdp.py's, tensor_parallel.py's, context_parallel.py's,
 pipeline_parallel.py's and expert_parallel.py's, run on sub-groups.
 
-    torchrun --nproc_per_node=8 parallel_nd.py --dp=2 --tp=2 --pp=2 --n_micro=4
+    torchrun --nproc_per_node=8 parallel_nd.py --dp_replicate=2 --tp=2 --pp=2 --n_micro=4
     torchrun --nproc_per_node=8 parallel_nd.py --dp_shard=2 --tp=2 --pp=2            # FSDP x TP x PP
     torchrun --nproc_per_node=8 parallel_nd.py --dp_replicate=2 --dp_shard=2 --tp=2  # HSDP x TP
     torchrun --nproc_per_node=8 parallel_nd.py --dp_shard=2 --cp=2 --tp=2 --layout=zigzag
@@ -81,7 +81,7 @@ one reduce-scatter a step, not fsdp.py's 3 a micro-batch. ZeRO-1 and 2 keep the 
 weights between steps (all-gathered after the update); ZeRO-1 keeps the full gradient too.
 A unit's gathers are float32: the stage's modules hold float32 weights that autocast casts.
 
-Flags: --pp, --dp_replicate (--dp is its old name; 0: the rest), --dp_shard, --cp, --tp;
+Flags: --pp, --dp_replicate (0: the rest), --dp_shard, --cp, --tp;
 --zero_stage as fsdp.py's; --layout (zigzag, contiguous) as context_parallel.py's;
 --schedule, --n_micro (0: 2·pp with a pipeline, 1 without), --virtual_stages as
 pipeline_parallel.py's (zb with --tp=1 --cp=1: its W walks backward again, which would
@@ -105,7 +105,7 @@ import model as M
 import pipeline_parallel as PP
 import tensor_parallel as TP
 
-DEFAULTS = dict(M.TRAIN_DEFAULTS, pp=1, dp_replicate=0, dp=0, dp_shard=1, cp=1, tp=1, zero_stage=3,
+DEFAULTS = dict(M.TRAIN_DEFAULTS, pp=1, dp_replicate=0, dp_shard=1, cp=1, tp=1, zero_stage=3,
                 layout="zigzag", schedule="1f1b", n_micro=0, virtual_stages=2, sequence_parallel=False,
                 bucket_mb=25.0, overlap=True, ep=1, dispatch="alltoall")
 Mesh = namedtuple("Mesh", "pp dp_replicate dp_shard cp tp")  # outermost to innermost
@@ -802,9 +802,7 @@ def state_bytes(units, stage, optimizer):
 def layout(cfg, config, world, check=True):
     """-> the Mesh, or (check) one line and exit on every rank (before any message)."""
     pp, S, cp, tp = cfg.pp, cfg.dp_shard, cfg.cp, cfg.tp
-    if cfg.dp and cfg.dp_replicate and cfg.dp != cfg.dp_replicate:
-        M.die(f"--dp is --dp_replicate's old name: --dp={cfg.dp} and --dp_replicate={cfg.dp_replicate} disagree")
-    R = cfg.dp_replicate or cfg.dp
+    R = cfg.dp_replicate
     rest = pp * S * cp * tp
     if not R and world % rest:
         M.die(f"--pp={pp} x --dp_shard={S} x --cp={cp} x --tp={tp} = {rest} ranks does not divide the world "
@@ -849,8 +847,8 @@ def layout(cfg, config, world, check=True):
 
 def main(argv=None):
     cfg = M.parse_args(DEFAULTS, argv, __doc__)
-    if min(cfg.tp, cfg.pp, cfg.cp, cfg.dp_shard) < 1 or min(cfg.dp, cfg.dp_replicate) < 0:
-        M.die("--pp, --dp_shard, --cp and --tp must be at least 1, --dp_replicate (--dp) at least 0 (0: the rest)")
+    if min(cfg.tp, cfg.pp, cfg.cp, cfg.dp_shard) < 1 or cfg.dp_replicate < 0:
+        M.die("--pp, --dp_shard, --cp and --tp must be at least 1, --dp_replicate at least 0 (0: the rest)")
     if cfg.schedule not in PP.SCHEDULES:
         M.die(f"--schedule takes {', '.join(PP.SCHEDULES)}, not {cfg.schedule!r}")
     if cfg.layout not in CP.LAYOUTS:
@@ -865,7 +863,6 @@ def main(argv=None):
               "chunks, and its backward recomputes the attention weights without forward's masks")
     if cfg.dp_shard > 1 and cfg.compile:
         M.die("--compile with --dp_shard > 1: not yet (the units' weights come and go between steps)")
-    cfg.dispatch = "allgather" if cfg.dispatch == "allreduce" else cfg.dispatch  # expert_parallel's old name
     if cfg.ep < 1 or (cfg.ep > 1 and not cfg.n_expert) or cfg.dispatch not in EP.DISPATCH:
         M.die(f"--ep={cfg.ep} must be at least 1, and more than 1 only with --n_expert (a mixture of experts); "
               f"--dispatch takes {' or '.join(EP.DISPATCH)}, not {cfg.dispatch!r}")

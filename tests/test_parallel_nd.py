@@ -85,7 +85,7 @@ BAD = {  # flags -> the one line's text
     ("--tp=4", "--dp_replicate=1", "--model=gpt2-xl"): "--tp=4 must divide the 25 heads",
     ("--cp=4", "--block_size=20"): "--cp=4 needs --block_size (20) divisible into 8 equal chunks",
     ("--cp=2", "--sequence_parallel=True"): "--cp > 1 needs --sequence_parallel=False",
-    ("--dp=2", "--dp_replicate=4"): "--dp is --dp_replicate's old name",
+    ("--dp=2",): "unknown flag --dp; see --help",  # --dp_replicate's old name: gone, refused like any other
     ("--ep=2",): "more than 1 only with --n_expert",
     ("--n_expert=4", "--ep=4", "--dp_shard=2", "--dp_replicate=2"): "--ep=4 must divide the 4 experts (--n_expert) "
                                                                      "and --dp_shard x --cp = 2",
@@ -337,7 +337,7 @@ def test_mesh_and_formulas_on_paper():
     config = M.make_config("tiny", VOCAB, BLOCK)
     for n in (2, 4):
         base = dict(batch_size=BATCH, n_micro=1, dtype="float32", grad_clip=1.0, sequence_parallel=False,
-                    dp=0, dp_replicate=0, dp_shard=1, cp=1, tp=1, pp=1, zero_stage=3, layout="zigzag")
+                    dp_replicate=0, dp_shard=1, cp=1, tp=1, pp=1, zero_stage=3, layout="zigzag")
         cfg = SimpleNamespace(**base)
         assert P.traffic_per_rank(config, cfg, n) == pytest.approx(ddp.traffic_per_rank(config, cfg, n))
         for sp in (False, True):
