@@ -111,15 +111,3 @@ def reference(train_args, tmp_path_factory):
     path = str(out / "state.pt")
     records = ddp.main(train_args + [f"--save_path={path}", f"--log_file={out / 'log.jsonl'}"])
     return records, torch.load(path)
-
-
-def pytest_collection_modifyitems(config, items):
-    """The quick tier's spine (tests/test_quick.py: every strategy at 2 ranks, 4 steps) runs
-    when the quick tier is asked for (-m quick) or the file is named; the whole suite leaves
-    it out, since each strategy's own file proves all it does, and more (25 s saved)."""
-    if "quick" in (config.getoption("markexpr") or "") or any("test_quick" in a for a in config.args):
-        return
-    spine = [item for item in items if item.path.name == "test_quick.py"]
-    if spine:
-        config.hook.pytest_deselected(items=spine)
-        items[:] = [item for item in items if item.path.name != "test_quick.py"]

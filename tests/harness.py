@@ -21,6 +21,8 @@ Two ways in:
 Plus read_log / assert_logs_match for the per-iteration JSON logs.
 """
 import contextlib
+import importlib
+import io
 import json
 import multiprocessing as mp
 import os
@@ -156,8 +158,6 @@ def refuse(module, args):
     """module.main(args) in this process (a rank of a pool, usually), expected to stop with
     SystemExit: -> (exit code, stderr text); the code is 0 if it ran to the end instead, as
     the process would have exited."""
-    import importlib
-    import io
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
         try:
@@ -257,3 +257,43 @@ def assert_states_match(state, ref, tol=1e-5, loose=1e-4, fraction=1e-4):
         beyond += (diff > tol).sum().item()
         total += diff.numel()
     assert beyond <= fraction * total, f"{beyond} of {total} elements differ by more than {tol}"
+
+
+def _train_quietly(rank, world_size, module, argv, setup=None):
+    if setup:
+        setup()
+    with contextlib.redirect_stdout(io.StringIO()):
+        return importlib.import_module(module).main(argv)
+
+
+def check_at_two_ranks(module, argv, reference, vocab, setup=None):
+    """Each strategy file's quick check (`python -m pytest -m quick tests/test_<file>.py`):
+    module.main(argv) on 2 pooled ranks against the one-process run of the same argv, its
+    `reference` records: the loss at every step and the validation losses within 1e-4, and
+    the bytes of assert_sent_the_formula. The long proofs (20 steps, 3 and 4 ranks, the final
+    parameters, bf16, resume) are the rest of the file. `setup` runs first in every rank (a
+    preset to register). -> rank 0's records."""
+    records = spawn(_train_quietly, 2, module, argv, setup, timeout=300)[0]
+    assert_logs_match(records, reference, 1e-4)
+    assert_logs_match([r for r in records if "val_loss" in r], [r for r in reference if "val_loss" in r],
+                      1e-4, key="val_loss")
+    assert_sent_the_formula(module, argv, records, vocab)
+    return records
+
+
+def assert_sent_the_formula(module, argv, records, vocab):
+    """The bytes every rank sent, summed, equal world x the file's traffic_per_rank() at every
+    step (expert parallel: the sum of each rank's, from its routed rows)."""
+    import model as M
+    strategy = importlib.import_module(module)
+    cfg = M.parse_args(strategy.DEFAULTS, argv)
+    config = M.make_config(cfg.model, vocab, cfg.block_size, n_expert=cfg.n_expert, top_k=cfg.top_k)
+    for r in records:
+        world = len(r["comm_bytes"])
+        if module == "expert_parallel" and cfg.dispatch == "alltoall":
+            want = sum(strategy.traffic_per_rank(config, cfg, world, r["sent_tokens"][i], r["received_tokens"][i])
+                       for i in range(world))
+        else:
+            want = world * strategy.traffic_per_rank(config, cfg, world)
+        assert want > 0 and abs(sum(r["comm_bytes"]) - want) <= 1e-9 * want, \
+            f"{module}, iter {r['iter']}: sent {r['comm_bytes']}, formula {want} in all"

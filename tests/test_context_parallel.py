@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import model as M
-from harness import spawn, refusals, assert_refused, assert_logs_match, assert_states_match
+from harness import spawn, check_at_two_ranks, refusals, assert_refused, assert_logs_match, assert_states_match
 from conftest import SHORT_STEPS, VOCAB
 
 LAYOUTS = ("contiguous", "zigzag")
@@ -73,6 +73,13 @@ def runs(request, train_args, tmp_path_factory):
     """(world, rank 0's results of _train_all, its folder): one spawn per world size."""
     world, out = request.param, str(tmp_path_factory.mktemp(f"cp{request.param}"))
     return world, spawn(_train_all, world, train_args, out, timeout=900)[0], out
+
+
+@pytest.mark.quick
+def test_quick_at_2_ranks(train_args, reference_short):
+    """context_parallel.py's quick check: the zigzag ring (the default) at 2 ranks, 3 steps, against
+    the one-process run."""
+    check_at_two_ranks("context_parallel", train_args + [f"--max_iters={SHORT_STEPS}"], reference_short[0], VOCAB)
 
 
 def test_ring_attention_matches_sdpa(runs):

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 import model as M
-from harness import spawn, torchrun, refusals, assert_refused, read_log, assert_logs_match, assert_states_match
+from harness import (spawn, torchrun, refusals, assert_refused, read_log, assert_logs_match, assert_states_match,
+                     assert_sent_the_formula)
 from conftest import SHORT_STEPS, VOCAB
 
 # process start-up and 4 ranks on 2 cores make every run costly: at each world size every
@@ -60,12 +61,17 @@ def test_parity_and_traffic(world, train_args, reference, reference_short, tmp_p
 
 @pytest.mark.quick
 def test_torchrun_end_to_end(train_args, reference_short, tmp_path):
+    """ddp.py's quick check, as a user runs it: torchrun, 2 ranks (overlapped buckets, the default
+    mode), 3 steps against the one-process run: the losses, and the bytes of the formula."""
     log = tmp_path / "log.jsonl"
-    r = torchrun("ddp.py", 2, train_args + [f"--max_iters={SHORT_STEPS}", f"--log_file={log}", "--log_interval=4"],
-                 timeout=300)
+    argv = train_args + [f"--max_iters={SHORT_STEPS}", "--bucket_mb=0.25"]
+    r = torchrun("ddp.py", 2, argv + [f"--log_file={log}", "--log_interval=4"], timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.count("iter ") == 2  # rank 0 alone prints: iteration 0, and the last (for its validation)
     assert_logs_match(read_log(log), reference_short[0], 1e-4)
+    assert_logs_match([r for r in read_log(log) if "val_loss" in r], [r for r in reference_short[0] if "val_loss" in r],
+                      1e-4, key="val_loss")
+    assert_sent_the_formula("ddp", argv, read_log(log), VOCAB)
 
 
 def test_batch_that_does_not_divide_fails_on_every_rank(train_args):

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import model as M
-from harness import spawn, refuse, assert_logs_match, assert_states_match
+from harness import spawn, check_at_two_ranks, one_thread, refuse, assert_logs_match, assert_states_match
 from conftest import SHORT_STEPS, VOCAB, moe_preset
 
 # the one-process references (ddp.py); each parallel run below names one. One run goes the
@@ -286,6 +286,18 @@ def moe_reference(train_args, tmp_path_factory):
     finally:
         torch.set_num_threads(threads)
     return refs, str(out / "e4k2")
+
+
+@pytest.mark.quick
+def test_quick_at_2_ranks(train_args):
+    """expert_parallel.py's quick check: 4 experts, top 2, routed by all-to-all over 2 ranks,
+    3 steps, against the one-process run of the same mixture (ddp.py --n_expert=4)."""
+    import ddp
+    moe_preset()
+    argv = train_args + MOE["e4k2_short"]
+    with one_thread():
+        reference = ddp.main(argv)
+    check_at_two_ranks("expert_parallel", argv, reference, VOCAB, setup=moe_preset)
 
 
 @pytest.mark.parametrize("world", [2, 4])

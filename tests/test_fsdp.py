@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import model as M
-from harness import spawn, refusals, assert_refused, assert_logs_match, assert_states_match
+from harness import spawn, check_at_two_ranks, refusals, assert_refused, assert_logs_match, assert_states_match
 from conftest import BF16_ARGS, SHORT_STEPS, VOCAB
 
 # (world size) -> the runs that share one spawn: (name, extra flags, model)
@@ -120,6 +120,12 @@ def expected_state(config, world, stage, bf16=False):
     W, S_lo = world * gathered, (4 * S - gathered) // 2  # S_lo: the shard's elements gathered in 2 bytes
     kept = {3: 8 * S, 2: W + 4 * S_lo + 4 * S, 1: W + 4 * S_lo + 4 * world * S}[stage]
     return [kept + 8 * x for x in real]
+
+
+@pytest.mark.quick
+def test_quick_at_2_ranks(train_args, reference_short):
+    """fsdp.py's quick check: ZeRO-3 (the default) at 2 ranks, 3 steps, against the one-process run."""
+    check_at_two_ranks("fsdp", train_args + [f"--max_iters={SHORT_STEPS}"], reference_short[0], VOCAB)
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])

@@ -22,7 +22,7 @@ import torch
 import collectives as C
 import model as M
 import pipeline_parallel as PP
-from harness import spawn, refuse, refusals, assert_refused, one_thread, read_log, assert_logs_match, assert_states_match
+from harness import spawn, check_at_two_ranks, refuse, refusals, assert_refused, one_thread, read_log, assert_logs_match, assert_states_match
 from conftest import BF16_ARGS, SHORT_STEPS, VOCAB
 
 # (schedule, m, steps). With one micro-batch GPipe and 1F1B are the same list of actions
@@ -314,6 +314,14 @@ def check_traffic(r, config, cfg, world, where):
     assert sum(r["comm_bytes"]) == sum(boundary) + 2 * (world - 1) * 4 == stated * world, where
     for sent, want in zip(r["comm_bytes"], boundary):
         assert 0 <= sent - want <= 4 * (1 + math.ceil(math.log2(world))), where
+
+
+@pytest.mark.quick
+def test_quick_at_2_ranks(train_args, reference_short):
+    """pipeline_parallel.py's quick check: two stages in 1F1B, 4 micro-batches, 3 steps, against the
+    one-process run."""
+    argv = train_args + [f"--max_iters={SHORT_STEPS}", "--schedule=1f1b", "--n_micro=4"]
+    check_at_two_ranks("pipeline_parallel", argv, reference_short[0], VOCAB)
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])

@@ -22,6 +22,7 @@ from torch.utils._pytree import tree_flatten
 
 import collectives as C
 import harness
+from harness import check_at_two_ranks
 import model as M
 import tensor_parallel as TP
 from conftest import BF16_ARGS, SHORT_STEPS, VOCAB, make_dataset
@@ -270,6 +271,15 @@ def runs(train_args, small_vocab_dir, tmp_path_factory):
 
 
 # ----------------------------------------------------------------------------- the tests
+
+
+@pytest.mark.quick
+def test_quick_at_2_ranks(train_args, reference_short):
+    """tensor_parallel.py's quick check: 2 ranks with sequence parallelism (every f and g as a reduce-scatter
+    and an all-gather), 3 steps, against the one-process run."""
+    check_at_two_ranks("tensor_parallel", train_args + [f"--max_iters={SHORT_STEPS}", "--sequence_parallel=True"],
+                       reference_short[0], VOCAB)
+
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_parallel_layers_match_plain_layers(runs, world):
