@@ -24,8 +24,8 @@ Every algorithm is a list of steps (sends, recvs, then): post the step's message
 together, wait for them, call then() (say, add what arrived). _run is the one place that
 posts messages, and it keeps several steps on the wire at once: that is how the rings
 overlap the wire with the adder. Costs are in the alpha-beta model (Thakur, Rabenseifner &
-Gropp, "Optimization of Collective Communication Operations in MPICH", 2005; the README's
-"The numbers behind the strategies"): a message of S bytes costs alpha + S/beta, reducing
+Gropp, "Optimization of Collective Communication Operations in MPICH", 2005;
+docs/formulas.md): a message of S bytes costs alpha + S/beta, reducing
 S bytes costs S*gamma, N is the number of ranks. bench/collectives_bench.py times each
 one against the built-in (`torchrun --nproc_per_node=4 bench/collectives_bench.py`).
 """

@@ -556,7 +556,7 @@ def activation_bytes(config, tokens, mode="none", tp=1, sp=False, ring=False, dt
     2h stays whole (Megatron gathers it again in backward instead). ring: context_parallel.py's
     ring attention keeps its output in (b, a, s, hs) order, so c_proj's (b, s, h) input is a
     second copy: d·h more (none, gelu). Context parallelism divides `tokens` itself (s/N
-    positions a rank), the pipeline `layers` and the micro-batch. The README derives it
+    positions a rank), the pipeline `layers` and the micro-batch. docs/memory.md derives it
     beside Korthikanti et al. 2022's sbh(34 + 5as/h)."""
     h, a, d, t, n = config.n_embd, config.n_head, dtype_bytes, tp, tokens
     layers = config.n_layer if layers is None else layers

@@ -541,8 +541,8 @@ def traffic_per_rank(config, cfg, world):
       loss       3 all-reduces of b·s float32 numbers (max, target logit, sum of exp)
       norm       the squared gradient norm, 1 float
     so  2(N-1)/N · b·s·h · ((4L + 1)·d + 4)  +  3 · 2(N-1)/N · b·s·4  +  2(N-1)/N · 4,
-    which in float32 is the (4L + 2) · 2(N-1)/N · 4·b·s·h of the README's "The numbers
-    behind the strategies", plus the loss's and the norm's few bytes.
+    which in float32 is (4L + 2) · 2(N-1)/N · 4·b·s·h (docs/tensor_parallel.md), plus the
+    loss's and the norm's few bytes.
     --sequence_parallel: each all-reduce becomes a reduce-scatter plus an all-gather,
     (N-1)/N·S each: the same bytes. The replicated parameters (LayerNorms and their
     biases, row-parallel biases, ln_f, wpe) now see only their rank's positions, so their

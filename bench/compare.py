@@ -9,7 +9,7 @@ world size; with --moe also the mixture-of-experts model, trained by one process
 
 Every strategy must end on its baseline's loss (float32, so to about 1e-5), and send
 the bytes its formula says: the "formula" column is the closed form each strategy file
-states as traffic_per_rank() (the README's "The numbers behind the strategies"), or
+states as traffic_per_rank() (docs/formulas.md), or
 for expert parallelism the formula of the step's actual routing; "sent" is what
 collectives.py counted. A strategy that fails is reported in its row and the others
 still run. Data: data/shakespeare if prepared, else a synthetic set.

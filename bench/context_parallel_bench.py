@@ -4,7 +4,7 @@ the slowest and the fastest rank under each layout, the bytes each rank sends, a
 memory each rank keeps, next to the one-process run of the same model.
 
     python bench/context_parallel_bench.py                   # tiny preset, 1 x 1024 tokens, 2 and 4 CPU ranks
-    python bench/context_parallel_bench.py --block_size=2048 # the README's table: ~15 minutes on 2 busy cores
+    python bench/context_parallel_bench.py --block_size=2048 # ~15 minutes on 2 busy cores
 
 Every run is a real launch with a deadline (`torchrun` for N ranks, plain `python` for
 the one-process run, which is context_parallel.py on a ring of one: the same code, one
