@@ -1228,13 +1228,15 @@ def trace_end(run, it):
     comm = C.trace_off()
     spans, device, base = _tracer
     _tracer = None
+    # The step's end is recorded before the device is synchronized, so that every event read
+    # below has completed: elapsed_time raises on one that has not (torch checks both events).
+    step_end = now(device)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
     def us(t):  # a stamp from now() or collectives' _stamp -> microseconds on the host's clock
         return 1e6 * (t if isinstance(t, float) else base[0] + base[1].elapsed_time(t) / 1000)
 
-    step_end = now(device)
     spans = [dict(name=f"step {it}", cat="step", row="main", t0=run.t0, t1=step_end, bytes=0)] + spans + comm
     for s in spans:
         ts = us(s["t0"])
