@@ -778,7 +778,10 @@ def _trace_wait(span, device):
 
 
 # The flight recorder, as NCCL's: for each group, the last FLIGHT_RECORDS ops this rank issued
-# on it, each [seq, op, group, bytes sent so far, peers, state]. Collectives are numbered per
+# on it, each [seq, op, group, bytes sent so far, peers, state, device]. An op is done when its
+# function has returned, on a GPU when the CUDA event recorded after it has completed: there
+# the function returns once its kernels are enqueued, and a rank whose GPU is stuck in a
+# transfer would otherwise be reported as past it. Collectives are numbered per
 # group in issue order, the order every member must issue them in, so #17 on one rank is #17
 # on the others; point-to-point messages (and the store's barrier) are not numbered, as
 # ranks exchange different numbers of them. When a wait fails (CommError) or on Ctrl-C,
@@ -790,7 +793,7 @@ _UNNUMBERED = ("send", "recv", "sendrecv", "store barrier")
 _diagnoses = 0                # diagnose() calls so far: each compares under keys of its own
 
 
-def _flight_entry(op, group):
+def _flight_entry(op, group, device):
     pg = _world(group)
     name = pg.group_name
     with _lock:
@@ -800,7 +803,7 @@ def _flight_entry(op, group):
         if op not in _UNNUMBERED:
             seq = _flight_seq[name]
             _flight_seq[name] += 1
-        entry = [seq, op, name, 0, set(), "posted"]
+        entry = [seq, op, name, 0, set(), "posted", device]
         _flight[name][1].append(entry)
     return entry
 
@@ -808,8 +811,18 @@ def _flight_entry(op, group):
 def flight_record():
     """-> this rank's record: {group name: [its global ranks, [[seq, op, bytes, peers, state], ...]]}."""
     with _lock:
-        return {name: [ranks, [[e[0], e[1], e[3], sorted(e[4]), e[5]] for e in ops]]
+        return {name: [ranks, [[e[0], e[1], e[3], sorted(e[4]), _state(e[5])] for e in ops]]
                 for name, (ranks, ops) in _flight.items()}
+
+
+def _enqueued():  # an event after the op's kernels, on the stream they went to (the caller's or the worker's)
+    event = torch.cuda.Event()
+    event.record()
+    return event
+
+
+def _state(state):  # "posted", "done", or the CUDA event that says which
+    return state if isinstance(state, str) else "done" if state.query() else "posted"
 
 
 def diagnose(wait_s=None):
@@ -1062,7 +1075,7 @@ def _execute(name, tracked, fn, entry=None, span=None):
         if span is not None:
             span["t1"] = _stamp(span["device"])
         if entry is not None:
-            entry[5] = "done"
+            entry[5] = "done" if entry[6].type != "cuda" else _enqueued()
         return out
     finally:
         _running.op = None
@@ -1122,7 +1135,7 @@ def _launch(name, fn, async_op, device, group=None):
     """Run fn now, or hand it to the group's worker; traffic is charged to `name` unless untracked()."""
     tracked = _untracked_depth == 0  # decided when the op is issued, not when it runs
     key = _key(group)
-    entry = _flight_entry(name, group) if key is not None and name != "drain" else None
+    entry = _flight_entry(name, group, device) if key is not None and name != "drain" else None
     span = _trace_span(name, group, device, async_op) if _tracing and tracked and name != "drain" else None
     with _lock:
         worker = _workers.get(key)
