@@ -137,12 +137,13 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.lm_head.weight = self.transformer.wte.weight  # the tie: one matrix, two uses
         self.recompute = "none"  # --recompute: what each block keeps for backward (recompute_block)
+        self.head = head  # the function below; ddp.compile_blocks puts a compiled one here
 
     def forward(self, idx, targets=None):
         x = embed(self.transformer.wte, self.transformer.wpe, idx, self.config.dropout, self.training)
         for block in self.transformer.h:
             x = recompute_block(block, x, self.recompute)
-        return head(self.transformer.ln_f, self.lm_head.weight, x, targets)
+        return self.head(self.transformer.ln_f, self.lm_head.weight, x, targets)
 
 
 def embed(wte, wpe, idx, dropout=0.0, training=False):
