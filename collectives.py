@@ -41,6 +41,7 @@ import queue
 import sys
 import threading
 import time
+import weakref
 from collections import defaultdict, deque
 
 import torch
@@ -667,7 +668,7 @@ def new_group(ranks):
 _lock = threading.Lock()
 _bytes = defaultdict(int)        # op name -> payload bytes this rank has sent
 _group_bytes = defaultdict(int)  # the group's global ranks, as a tuple -> payload bytes sent on it
-_handle_bytes = defaultdict(int)  # the group itself -> payload bytes sent through it
+_handle_bytes = weakref.WeakKeyDictionary()  # the group itself -> payload bytes sent through it (weak: see _stop_workers)
 _untracked_depth = 0
 _running = threading.local()     # .op = (name, tracked) of the op this thread runs now
 
@@ -683,7 +684,7 @@ def bytes_sent(group=None):
             return sum(_bytes.values())
         if isinstance(group, (tuple, list)):
             return _group_bytes.get(tuple(group), 0)
-        return _handle_bytes.get(_key(group), 0)
+        return _handle_bytes.get(_key(group), 0) if _initialized() else 0
 
 
 def bytes_by_op():
@@ -938,7 +939,7 @@ def _post(step, group, ranks):
         with _lock:
             _bytes[name] += sent
             _group_bytes[tuple(ranks)] += sent
-            _handle_bytes[_key(group)] += sent
+            _handle_bytes[_key(group)] = _handle_bytes.get(_key(group), 0) + sent
     if entry is not None:  # the flight record: what this op has put on the wire so far, and to whom
         entry[3] += sent
         entry[4].update(peer for _, peer, _ in posted)
@@ -1128,6 +1129,11 @@ def _stop_workers(timeout=None):
         _workers.clear()
 
 
+# Nothing here may keep a process group alive once its caller destroyed it: the group's C++
+# side (gloo's threads, their last work and its tensors) is freed with the last reference,
+# and freed during the interpreter's teardown it can abort the process (a C++ thread taking
+# the GIL then; torch's own issue). So the byte counts hold groups weakly, and the workers,
+# which hold theirs, are ended at exit while the interpreter is still whole.
 atexit.register(_stop_workers, 10)
 
 
