@@ -858,6 +858,7 @@ TRAIN_DEFAULTS = dict(
 
 
 DIE_WAIT_S = 30  # the longest a silent rank waits for the one that prints (see die)
+DIE_WAIT_OTHER_NODE_S = 5  # the same, for a rank on another node than the printer's
 
 
 def die(msg, code=2, scope="all"):
@@ -871,14 +872,19 @@ def die(msg, code=2, scope="all"):
     printed (on a busy machine it may be seconds behind, still importing torch or still
     scanning a file). So the silent ranks wait, and the printer's own exit ends the job:
     the line is printed once, and torchrun names the printer's code as the root cause.
-    The wait is bounded (DIE_WAIT_S) in case the printer never gets here. Outside torchrun
-    (one process, or processes nobody kills) there is nothing to wait for."""
+    The wait is bounded (DIE_WAIT_S) in case the printer never gets here. A rank on another
+    node than the printer's is never ended by it: agents do not watch each other's ranks,
+    so it would sit out all of DIE_WAIT_S. It waits a few seconds only, so that its agent's
+    exit (which takes the rendezvous store down, if that agent hosts it, and with it the
+    printer's agent) comes after the line. Outside torchrun (one process, or processes
+    nobody kills) there is nothing to wait for."""
     rank, local = os.environ.get("RANK", "0"), os.environ.get("LOCAL_RANK", "0")
     if (scope == "all" and rank == "0") or (scope == "node" and local == "0") or scope == "me":
         prefix = f"rank {rank}: " if rank != "0" and scope != "all" else ""
         print(f"error: {prefix}{msg}", file=sys.stderr, flush=True)
     elif "TORCHELASTIC_RUN_ID" in os.environ:
-        time.sleep(DIE_WAIT_S)
+        printer_here = scope == "node" or os.environ.get("GROUP_RANK", "0") == "0"  # GROUP_RANK: the node's
+        time.sleep(DIE_WAIT_S if printer_here else DIE_WAIT_OTHER_NODE_S)
     sys.exit(code)
 
 
