@@ -555,12 +555,18 @@ _groups_made = 0  # world groups this process has made: each reads and writes it
 def _make_group(timeout_s, device):
     global _we_created_group, _timeout_s, _group_timeout, _store, _groups_made
     kw = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
-    # torchrun's store outlives a failed attempt (--max_restarts), and a process group that
-    # a process destroyed to make another (main() called twice): ranks would read the old
-    # group's addresses from it and fail to connect. Each attempt, and each group within it,
-    # gets its own prefix in the store (every rank makes its groups in the same order).
+    # A store can outlive a process group: torchrun's, shared by its agent with the ranks (the
+    # default), outlives a failed attempt (--max_restarts), and any store outlives a group a
+    # process destroyed to make another (main() called twice). Ranks would read the old
+    # group's addresses from it and fail to connect. So each group gets its own prefix (every
+    # rank makes its groups in the same order), and in a shared store each attempt too: the
+    # agent's restart count. That count is each agent's own (an agent whose ranks restart
+    # because another node's failed does not count it), so on several nodes it can differ;
+    # with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 every attempt has a fresh store (rank 0
+    # hosts it) and the count is left out, which is what restarts across nodes need.
     store, rank, world = next(dist.rendezvous("env://", **kw))
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    shared = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") if shared else "0"
     _store = dist.PrefixStore(f"attempt{attempt}/group{_groups_made}/", store)
     _groups_made += 1
     nccl = device.type == "cuda"

@@ -729,6 +729,7 @@ def test_init_distributed_timeout(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setenv("WORLD_SIZE", "1")
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")  # the agent's store: the attempt names the keys
     try:
         assert C.init_distributed(timeout_s=3)[:3] == (0, 1, 0)
         C.init_distributed()
