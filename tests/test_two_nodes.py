@@ -14,6 +14,7 @@ Run as a script (by torchrun, below) this file is a rank: it prints where it run
 tests/crash_once.py's wrapper of a strategy (the same command line: the strategy, its flags)."""
 import json
 import os
+import re
 import runpy
 import subprocess
 import sys
@@ -21,7 +22,8 @@ import time
 
 if __name__ == "__main__":  # a rank under torchrun
     env = os.environ
-    print(f"where: rank {env['RANK']} local_rank {env['LOCAL_RANK']} node {env['GROUP_RANK']}", flush=True)
+    # one write (print writes the newline apart): the node's ranks share the agent's stdout
+    os.write(1, f"where: rank {env['RANK']} local_rank {env['LOCAL_RANK']} node {env['GROUP_RANK']}\n".encode())
     runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), "crash_once.py"), run_name="__main__")
     sys.exit(0)
 
@@ -79,7 +81,7 @@ def test_mesh_across_nodes_killed_and_resumed(train_args, reference_short, tmp_p
     env = dict(CRASH_AT="2", CRASH_RANK="3", CRASH_MARK=str(tmp_path / "crashed"))
     codes, stdout, stderr = two_nodes("parallel_nd.py", args, env=env, restarts=1)
     assert codes == [0, 0], stderr[-3000:]
-    where = {line.split()[2]: line.split()[4] for line in stdout.splitlines() if line.startswith("where:")}
+    where = dict(re.findall(r"where: rank (\d) local_rank (\d)", stdout))
     assert where == {"0": "0", "1": "1", "2": "0", "3": "1"}, stdout  # both attempts' lines agree
     assert "resumed from" in stdout and "step_000002 (step 2" in stdout, stdout[-2000:]
     assert_logs_match(read_log(f"{tmp_path}/log.jsonl"), reference_short[0])
