@@ -41,6 +41,7 @@ import queue
 import sys
 import threading
 import time
+import weakref
 from collections import defaultdict, deque
 
 import torch
@@ -554,12 +555,18 @@ _groups_made = 0  # world groups this process has made: each reads and writes it
 def _make_group(timeout_s, device):
     global _we_created_group, _timeout_s, _group_timeout, _store, _groups_made
     kw = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
-    # torchrun's store outlives a failed attempt (--max_restarts), and a process group that
-    # a process destroyed to make another (main() called twice): ranks would read the old
-    # group's addresses from it and fail to connect. Each attempt, and each group within it,
-    # gets its own prefix in the store (every rank makes its groups in the same order).
+    # A store can outlive a process group: torchrun's, shared by its agent with the ranks (the
+    # default), outlives a failed attempt (--max_restarts), and any store outlives a group a
+    # process destroyed to make another (main() called twice). Ranks would read the old
+    # group's addresses from it and fail to connect. So each group gets its own prefix (every
+    # rank makes its groups in the same order), and in a shared store each attempt too: the
+    # agent's restart count. That count is each agent's own (an agent whose ranks restart
+    # because another node's failed does not count it), so on several nodes it can differ;
+    # with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 every attempt has a fresh store (rank 0
+    # hosts it) and the count is left out, which is what restarts across nodes need.
     store, rank, world = next(dist.rendezvous("env://", **kw))
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    shared = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") if shared else "0"
     _store = dist.PrefixStore(f"attempt{attempt}/group{_groups_made}/", store)
     _groups_made += 1
     nccl = device.type == "cuda"
@@ -667,7 +674,7 @@ def new_group(ranks):
 _lock = threading.Lock()
 _bytes = defaultdict(int)        # op name -> payload bytes this rank has sent
 _group_bytes = defaultdict(int)  # the group's global ranks, as a tuple -> payload bytes sent on it
-_handle_bytes = defaultdict(int)  # the group itself -> payload bytes sent through it
+_handle_bytes = weakref.WeakKeyDictionary()  # the group itself -> payload bytes sent through it (weak: see _stop_workers)
 _untracked_depth = 0
 _running = threading.local()     # .op = (name, tracked) of the op this thread runs now
 
@@ -683,7 +690,7 @@ def bytes_sent(group=None):
             return sum(_bytes.values())
         if isinstance(group, (tuple, list)):
             return _group_bytes.get(tuple(group), 0)
-        return _handle_bytes.get(_key(group), 0)
+        return _handle_bytes.get(_key(group), 0) if _initialized() else 0
 
 
 def bytes_by_op():
@@ -778,7 +785,10 @@ def _trace_wait(span, device):
 
 
 # The flight recorder, as NCCL's: for each group, the last FLIGHT_RECORDS ops this rank issued
-# on it, each [seq, op, group, bytes sent so far, peers, state]. Collectives are numbered per
+# on it, each [seq, op, group, bytes sent so far, peers, state, device]. An op is done when its
+# function has returned, on a GPU when the CUDA event recorded after it has completed: there
+# the function returns once its kernels are enqueued, and a rank whose GPU is stuck in a
+# transfer would otherwise be reported as past it. Collectives are numbered per
 # group in issue order, the order every member must issue them in, so #17 on one rank is #17
 # on the others; point-to-point messages (and the store's barrier) are not numbered, as
 # ranks exchange different numbers of them. When a wait fails (CommError) or on Ctrl-C,
@@ -790,7 +800,7 @@ _UNNUMBERED = ("send", "recv", "sendrecv", "store barrier")
 _diagnoses = 0                # diagnose() calls so far: each compares under keys of its own
 
 
-def _flight_entry(op, group):
+def _flight_entry(op, group, device):
     pg = _world(group)
     name = pg.group_name
     with _lock:
@@ -800,7 +810,7 @@ def _flight_entry(op, group):
         if op not in _UNNUMBERED:
             seq = _flight_seq[name]
             _flight_seq[name] += 1
-        entry = [seq, op, name, 0, set(), "posted"]
+        entry = [seq, op, name, 0, set(), "posted", device]
         _flight[name][1].append(entry)
     return entry
 
@@ -808,8 +818,18 @@ def _flight_entry(op, group):
 def flight_record():
     """-> this rank's record: {group name: [its global ranks, [[seq, op, bytes, peers, state], ...]]}."""
     with _lock:
-        return {name: [ranks, [[e[0], e[1], e[3], sorted(e[4]), e[5]] for e in ops]]
+        return {name: [ranks, [[e[0], e[1], e[3], sorted(e[4]), _state(e[5])] for e in ops]]
                 for name, (ranks, ops) in _flight.items()}
+
+
+def _enqueued():  # an event after the op's kernels, on the stream they went to (the caller's or the worker's)
+    event = torch.cuda.Event()
+    event.record()
+    return event
+
+
+def _state(state):  # "posted", "done", or the CUDA event that says which
+    return state if isinstance(state, str) else "done" if state.query() else "posted"
 
 
 def diagnose(wait_s=None):
@@ -925,7 +945,7 @@ def _post(step, group, ranks):
         with _lock:
             _bytes[name] += sent
             _group_bytes[tuple(ranks)] += sent
-            _handle_bytes[_key(group)] += sent
+            _handle_bytes[_key(group)] = _handle_bytes.get(_key(group), 0) + sent
     if entry is not None:  # the flight record: what this op has put on the wire so far, and to whom
         entry[3] += sent
         entry[4].update(peer for _, peer, _ in posted)
@@ -1062,7 +1082,7 @@ def _execute(name, tracked, fn, entry=None, span=None):
         if span is not None:
             span["t1"] = _stamp(span["device"])
         if entry is not None:
-            entry[5] = "done"
+            entry[5] = "done" if entry[6].type != "cuda" else _enqueued()
         return out
     finally:
         _running.op = None
@@ -1115,6 +1135,11 @@ def _stop_workers(timeout=None):
         _workers.clear()
 
 
+# Nothing here may keep a process group alive once its caller destroyed it: the group's C++
+# side (gloo's threads, their last work and its tensors) is freed with the last reference,
+# and freed during the interpreter's teardown it can abort the process (a C++ thread taking
+# the GIL then; torch's own issue). So the byte counts hold groups weakly, and the workers,
+# which hold theirs, are ended at exit while the interpreter is still whole.
 atexit.register(_stop_workers, 10)
 
 
@@ -1122,7 +1147,7 @@ def _launch(name, fn, async_op, device, group=None):
     """Run fn now, or hand it to the group's worker; traffic is charged to `name` unless untracked()."""
     tracked = _untracked_depth == 0  # decided when the op is issued, not when it runs
     key = _key(group)
-    entry = _flight_entry(name, group) if key is not None and name != "drain" else None
+    entry = _flight_entry(name, group, device) if key is not None and name != "drain" else None
     span = _trace_span(name, group, device, async_op) if _tracing and tracked and name != "drain" else None
     with _lock:
         worker = _workers.get(key)

@@ -137,12 +137,13 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.lm_head.weight = self.transformer.wte.weight  # the tie: one matrix, two uses
         self.recompute = "none"  # --recompute: what each block keeps for backward (recompute_block)
+        self.head = head  # the function below; ddp.compile_blocks puts a compiled one here
 
     def forward(self, idx, targets=None):
         x = embed(self.transformer.wte, self.transformer.wpe, idx, self.config.dropout, self.training)
         for block in self.transformer.h:
             x = recompute_block(block, x, self.recompute)
-        return head(self.transformer.ln_f, self.lm_head.weight, x, targets)
+        return self.head(self.transformer.ln_f, self.lm_head.weight, x, targets)
 
 
 def embed(wte, wpe, idx, dropout=0.0, training=False):
@@ -857,6 +858,7 @@ TRAIN_DEFAULTS = dict(
 
 
 DIE_WAIT_S = 30  # the longest a silent rank waits for the one that prints (see die)
+DIE_WAIT_OTHER_NODE_S = 5  # the same, for a rank on another node than the printer's
 
 
 def die(msg, code=2, scope="all"):
@@ -870,14 +872,19 @@ def die(msg, code=2, scope="all"):
     printed (on a busy machine it may be seconds behind, still importing torch or still
     scanning a file). So the silent ranks wait, and the printer's own exit ends the job:
     the line is printed once, and torchrun names the printer's code as the root cause.
-    The wait is bounded (DIE_WAIT_S) in case the printer never gets here. Outside torchrun
-    (one process, or processes nobody kills) there is nothing to wait for."""
+    The wait is bounded (DIE_WAIT_S) in case the printer never gets here. A rank on another
+    node than the printer's is never ended by it: agents do not watch each other's ranks,
+    so it would sit out all of DIE_WAIT_S. It waits a few seconds only, so that its agent's
+    exit (which takes the rendezvous store down, if that agent hosts it, and with it the
+    printer's agent) comes after the line. Outside torchrun (one process, or processes
+    nobody kills) there is nothing to wait for."""
     rank, local = os.environ.get("RANK", "0"), os.environ.get("LOCAL_RANK", "0")
     if (scope == "all" and rank == "0") or (scope == "node" and local == "0") or scope == "me":
         prefix = f"rank {rank}: " if rank != "0" and scope != "all" else ""
         print(f"error: {prefix}{msg}", file=sys.stderr, flush=True)
     elif "TORCHELASTIC_RUN_ID" in os.environ:
-        time.sleep(DIE_WAIT_S)
+        printer_here = scope == "node" or os.environ.get("GROUP_RANK", "0") == "0"  # GROUP_RANK: the node's
+        time.sleep(DIE_WAIT_S if printer_here else DIE_WAIT_OTHER_NODE_S)
     sys.exit(code)
 
 
@@ -1228,13 +1235,15 @@ def trace_end(run, it):
     comm = C.trace_off()
     spans, device, base = _tracer
     _tracer = None
+    # The step's end is recorded before the device is synchronized, so that every event read
+    # below has completed: elapsed_time raises on one that has not (torch checks both events).
+    step_end = now(device)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
     def us(t):  # a stamp from now() or collectives' _stamp -> microseconds on the host's clock
         return 1e6 * (t if isinstance(t, float) else base[0] + base[1].elapsed_time(t) / 1000)
 
-    step_end = now(device)
     spans = [dict(name=f"step {it}", cat="step", row="main", t0=run.t0, t1=step_end, bytes=0)] + spans + comm
     for s in spans:
         ts = us(s["t0"])

@@ -851,6 +851,8 @@ def main(argv=None):
         M.die("--pp, --dp_shard, --cp and --tp must be at least 1, --dp_replicate at least 0 (0: the rest)")
     if cfg.schedule not in PP.SCHEDULES:
         M.die(f"--schedule takes {', '.join(PP.SCHEDULES)}, not {cfg.schedule!r}")
+    if cfg.schedule == "zb" and cfg.recompute == "full":
+        M.die(PP.ZB_FULL)
     if cfg.layout not in CP.LAYOUTS:
         M.die(f"--layout takes {' or '.join(CP.LAYOUTS)}, not {cfg.layout!r}")
     if cfg.zero_stage not in (1, 2, 3):

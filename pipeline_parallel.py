@@ -44,6 +44,11 @@ import model as M
 
 DEFAULTS = dict(M.TRAIN_DEFAULTS, schedule="1f1b", n_micro=4, virtual_stages=2, timeline=False)
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
+# zb's B (autograd.grad) and W (autograd.backward) are two graph tasks, and torch's non-reentrant
+# checkpoint reruns a block's forward once per graph task that reads it: two reruns, not one
+ZB_FULL = ("--schedule=zb with --recompute=full: B and W are two backward passes and each would rerun "
+           "every block's forward (two reruns per micro-batch, not one): use --recompute=gelu or none, "
+           "or another schedule")
 BOUNDARY_DTYPE = torch.float32  # the residual stream: float32 under bf16 autocast, as in the one-process run
 
 # -----------------------------------------------------------------------------
@@ -421,6 +426,8 @@ def check_schedule(cfg):
         M.die(f"--batch_size={cfg.batch_size} does not divide into --n_micro={cfg.n_micro} micro-batches")
     if cfg.schedule == "interleaved" and cfg.virtual_stages < 1:
         M.die(f"--virtual_stages must be at least 1, not {cfg.virtual_stages}")
+    if cfg.schedule == "zb" and getattr(cfg, "recompute", "none") == "full":
+        M.die(ZB_FULL)
     return virtual_stages(cfg)
 
 

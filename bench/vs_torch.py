@@ -313,8 +313,9 @@ def gaps(ours, theirs):
 
 def peer_losses(run, losses, who):
     """The step's loss as our log reports it: the mean over the ranks (data parallel), rank
-    0's (tensor parallel: every rank holds the same), or the last stage's (pipeline)."""
-    t = torch.tensor(losses, dtype=torch.float64)
+    0's (tensor parallel: every rank holds the same), or the last stage's (pipeline). On the
+    run's device: an NCCL group has no CPU backend, and refuses a CPU tensor."""
+    t = torch.tensor(losses, dtype=torch.float64, device=run.device)
     if who == "mean":
         dist.all_reduce(t)
         t /= run.world

@@ -17,9 +17,22 @@ import model as M  # noqa: E402
 begin_iter = M.begin_iter
 
 
+def first_attempt():
+    """TORCHELASTIC_RESTART_COUNT is each agent's own: on two nodes, the one whose ranks were
+    restarted because the other's failed still says 0. There CRASH_MARK names a file that
+    the first crash leaves behind."""
+    mark = os.environ.get("CRASH_MARK")
+    if not mark:
+        return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    if os.path.exists(mark):
+        return False
+    open(mark, "w").close()
+    return True
+
+
 def begin_or_die(run, it, evaluate):
-    if (os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" and it == int(os.environ["CRASH_AT"])
-            and run.rank == int(os.environ.get("CRASH_RANK", "1"))):
+    if (it == int(os.environ["CRASH_AT"]) and run.rank == int(os.environ.get("CRASH_RANK", "1"))
+            and first_attempt()):
         os.kill(os.getpid(), signal.SIGKILL)
     return begin_iter(run, it, evaluate)
 

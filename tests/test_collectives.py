@@ -729,6 +729,7 @@ def test_init_distributed_timeout(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setenv("WORLD_SIZE", "1")
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")  # the agent's store: the attempt names the keys
     try:
         assert C.init_distributed(timeout_s=3)[:3] == (0, 1, 0)
         C.init_distributed()
@@ -810,3 +811,27 @@ def test_benchmark_runs():
     for r in rows:  # op size | ms algbw busbw | ms algbw busbw | ratio: ours always timed
         # (at 4K on a loaded machine a bandwidth can print as 0.000 GB/s: only the time must be > 0)
         assert float(r[3]) > 0 and float(r[4]) >= 0 and float(r[5]) >= 0, r
+
+
+def _destroyed_group_is_let_go(rank, world):
+    import gc
+    import weakref
+    g = dist.new_group([0, 1])
+    t = torch.ones(1024)
+    C.all_reduce(t, group=g)  # its bytes are counted by group
+    C.all_reduce(t, group=g, async_op=True).wait()  # and its worker holds it
+    sent = C.bytes_sent(g)
+    alive = weakref.ref(g)
+    dist.destroy_process_group(g)  # the caller's own, without collectives.shutdown()
+    del g
+    C._stop_workers(10)  # what collectives runs at exit
+    gc.collect()
+    return sent, alive() is None
+
+
+def test_a_destroyed_group_is_freed_before_exit():
+    """A caller that destroys its group itself (no collectives.shutdown()): by the time the
+    interpreter tears down, nothing of collectives.py holds the group, so its C++ side is not
+    freed during the teardown (where a gloo thread taking the GIL can abort the process)."""
+    for sent, freed in spawn(_destroyed_group_is_let_go, 2):
+        assert sent > 0 and freed

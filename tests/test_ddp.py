@@ -109,15 +109,16 @@ def _compiled_nodes(loss):
 
 
 def test_compile_splits_backward_by_block():
-    """--compile compiles block by block: backward has one node per block, so DDP's buckets
-    launch while it runs. Compiled whole (the old way), backward is one node and every
-    gradient appears at its end: that is checked too, so the count can tell them apart."""
+    """--compile compiles block by block: backward has one node per block (and one for the
+    head with its loss, compiled too), so DDP's buckets launch while it runs. Compiled whole
+    (the old way), backward is one node and every gradient appears at its end: that is
+    checked too, so the count can tell them apart."""
     import dataclasses
     import ddp
     torch._dynamo.reset()
     config = dataclasses.replace(M.make_config("tiny", VOCAB, block_size=16), n_layer=3)
     x = torch.randint(0, VOCAB, (2, 16))
     per_block = ddp.compile_blocks(M.GPT(config), backend="aot_eager")
-    assert _compiled_nodes(per_block(x, x)[1]) == config.n_layer
+    assert _compiled_nodes(per_block(x, x)[1]) == config.n_layer + 1
     whole = torch.compile(M.GPT(config), backend="aot_eager")
     assert _compiled_nodes(whole(x, x)[1]) == 1
