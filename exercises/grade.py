@@ -26,6 +26,7 @@ import datetime
 import importlib
 import io
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -237,15 +238,21 @@ def _train_job(rank, world, folder, module, args, timeout_s):
             mod = importlib.import_module(module)
         except Exception as e:
             return {"error": "import: " + describe(e), "broken": False}
-        # the harness's group waits 30 minutes; a wait that lasts timeout_s here is a hang
-        dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=timeout_s), None)
+        # The run uses the whole world (group None), whose waits last 30 minutes: for the run,
+        # the world is a group of the same ranks whose waits time out after timeout_s.
+        world_pg = dist.distributed_c10d._world
+        g = dist.new_group(list(range(world)), timeout=datetime.timedelta(seconds=timeout_s))
+        harness_pg, world_pg.default_pg = world_pg.default_pg, g
         try:
             with contextlib.redirect_stdout(io.StringIO()):  # rank 0's banner and log lines
-                return {"records": mod.main(args)}
+                out = {"records": mod.main(args)}
         except BaseException as e:
-            return dict(_failure(e, C, timeout_s), broken=True)
+            out = dict(_failure(e, C, timeout_s), broken=True)
         finally:
-            dist.distributed_c10d._set_pg_timeout(dist.default_pg_timeout, None)
+            world_pg.default_pg = harness_pg
+        if not out.get("broken"):
+            dist.destroy_process_group(g)
+        return out
 
 # ----------------------------------------------------------------------------- launching, and the checks
 
@@ -269,8 +276,10 @@ def _hang_or_error(results):
     first = next((r for r in failed if not r.get("comm")), None)  # what a rank raised beats its peers' timeouts
     if first is not None:
         return first["error"]
+    error = re.sub(r"\[[^\]]*\] ", "", comm[0]["error"])  # gloo's source path
     line = next((r["hang"] for r in comm if r.get("hang")), "")
-    return f"hung: {line}" if line else f"hung: {comm[0]['error']}"
+    return f"hung: {error}; " + (line or "the flight recorder finds every rank in the same op: its messages "
+                                          "do not pair up (a wrong peer, or a message one side never posts)")
 
 
 def check_collective(folder, ops, worlds):
