@@ -243,11 +243,16 @@ def _train_job(rank, world, folder, module, args, timeout_s):
         world_pg = dist.distributed_c10d._world
         g = dist.new_group(list(range(world)), timeout=datetime.timedelta(seconds=timeout_s))
         harness_pg, world_pg.default_pg = world_pg.default_pg, g
+        err = io.StringIO()
         try:
-            with contextlib.redirect_stdout(io.StringIO()):  # rank 0's banner and log lines
+            # rank 0's banner and log lines are not the student's; what a refusal prints is
+            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
                 out = {"records": mod.main(args)}
         except BaseException as e:
             out = dict(_failure(e, C, timeout_s), broken=True)
+            said = err.getvalue().strip().splitlines()
+            if isinstance(e, SystemExit) and said:
+                out["error"] += f": {said[-1]}"
         finally:
             world_pg.default_pg = harness_pg
         if not out.get("broken"):
@@ -464,7 +469,7 @@ def not_written(ex, folder):
     if not os.path.isfile(path):
         return None
     with open(path) as f:
-        tree = ast.parse(f.read())
+        tree = ast.parse(f.read())  # a SyntaxError is the student's to see: grade() says where
     return [q for q in ex.functions if find_def(tree, q) is None or is_stub(find_def(tree, q))]
 
 
@@ -486,7 +491,10 @@ def grade(name, folder=None, worlds=None, data_dir=None):
     ex = BY_NAME[name]
     folder = os.path.abspath(folder or os.path.join(HERE, "work", name))
     worlds = worlds or ex.worlds
-    todo = not_written(ex, folder)
+    try:
+        todo = not_written(ex, folder)
+    except SyntaxError as e:
+        return [(False, f"{ex.file} does not parse: {e.msg} (line {e.lineno})")]
     if todo is None:
         return [(False, f"no workspace at {folder}: python exercises/start.py {name}")]
     if todo:  # no launch: every check would fail the same way
@@ -521,7 +529,12 @@ def main(argv=None):
     if args.name not in BY_NAME:
         print(f"error: no exercise {args.name!r}; `python exercises/start.py --list` names them", file=sys.stderr)
         return 2
-    worlds = tuple(int(w) for w in args.worlds.split(",")) if args.worlds else None
+    try:
+        worlds = tuple(int(w) for w in args.worlds.split(",")) if args.worlds else None
+        assert worlds is None or min(worlds) >= 2
+    except (ValueError, AssertionError):
+        print(f"error: --worlds takes world sizes of 2 or more, comma-separated, not {args.worlds!r}", file=sys.stderr)
+        return 2
     lines = grade(args.name, args.dir, worlds)
     for ok, line in lines:
         print(("PASS " if ok else "FAIL ") + line, flush=True)

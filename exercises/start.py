@@ -13,6 +13,7 @@ your copy. start.py refuses to overwrite a workspace that exists (your work): --
 """
 import argparse
 import ast
+import functools
 import os
 import shutil
 import sys
@@ -33,16 +34,20 @@ def project_imports(filename, root=ROOT):
     need, todo = [], [filename]
     while todo:
         f = todo.pop(0)
-        if f in need:
-            continue
-        need.append(f)
-        with open(os.path.join(root, f)) as fh:
-            tree = ast.parse(fh.read())
-        for node in ast.walk(tree):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
-                [node.module] if isinstance(node, ast.ImportFrom) and node.module and not node.level else []
-            todo += [n + ".py" for n in names if os.path.isfile(os.path.join(root, n + ".py"))]
+        if f not in need:
+            need.append(f)
+            todo += [n + ".py" for n in _imports(os.path.join(root, f)) if os.path.isfile(os.path.join(root, n + ".py"))]
     return need
+
+
+@functools.lru_cache(maxsize=None)
+def _imports(path):
+    """The absolute imports of a file, wherever they stand (a function may import lazily)."""
+    with open(path) as fh:
+        tree = ast.parse(fh.read())
+    return tuple(a.name for node in ast.walk(tree) if isinstance(node, ast.Import) for a in node.names) + \
+        tuple(node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module
+              and not node.level)
 
 
 def find_def(tree, qualname):
