@@ -17,7 +17,7 @@ What is checked (exercises/table.py says which checks each exercise gets):
                  1e-4 (the loss alone cannot see a gradient summed instead of averaged: AdamW
                  and clipping hide its scale), and the bytes sent against the file's formula
   a schedule     every rank's action list run on paper (pipeline_parallel.simulate): no
-                 deadlock, every micro-batch once, no more held than 1F1B holds
+                 deadlock, every micro-batch once, as long and holding as much as 1F1B at most
 Every launch has a deadline: a wait that times out ends the check, with the ranks' diagnosis.
 """
 import argparse

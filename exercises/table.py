@@ -12,7 +12,8 @@ check: what grade.py runs (grade.py's CHECKS say what each kind does)
                                  ddp.py run: loss and gradient norm at every step, bytes to the
                                  file's own traffic_per_rank()
   ("schedule", name)             pipeline_parallel.simulate() of every rank's action list at
-                                 several sizes: no deadlock, every micro-batch once, 1F1B's memory
+                                 several sizes: no deadlock, every micro-batch once (forward
+                                 first), 1F1B's length (m + p - 1)(F + B) and its memory
   ("merge",)                     context_parallel.merge() of two halves against one softmax
 worlds: the world sizes of the launches (a ring's wrong neighbour is invisible at 2: take 3 too).
 """

@@ -31,6 +31,16 @@ def _solve(folder, name, bodies):
     return str(folder)
 
 
+def _real(name, qualname):
+    """The project's own body of a function an exercise names, after its docstring, unindented."""
+    import textwrap
+    with open(os.path.join(ROOT, BY_NAME[name].file)) as f:
+        source = f.read()
+    fn = S.find_def(ast.parse(source), qualname)
+    first = fn.body[1] if ast.get_docstring(fn) is not None else fn.body[0]
+    return textwrap.dedent("".join(source.splitlines(keepends=True)[first.lineno - 1:fn.end_lineno]))
+
+
 def _lines(lines, where):
     return "\n".join(("PASS " if ok else "FAIL ") + line for ok, line in lines) + f"\n({where})"
 
@@ -192,6 +202,24 @@ def test_tensor_parallel_f_without_its_all_reduce_fails(refs, tmp_path):
     lines = G.check_train(folder, "tensor_parallel", [], (2,), refs)
     assert not lines[0][0] and "first differs at step" in lines[0][1], _lines(lines, "f without all-reduce")
     assert not lines[2][0] and "bytes: step 0" in lines[2][1], _lines(lines, "f without all-reduce")
+
+
+def test_fsdp_gradient_summed_and_experts_rows_unsorted_fail(refs, tmp_path):
+    """FSDP whose reduce-scatter sums the gradient instead of averaging it: the norm is N times
+    the one-process run's. Expert parallelism that runs the experts on the rows as they
+    arrived (by source rank, not by expert): the wrong expert on most rows, the loss departs."""
+    summed = _real("fsdp_unit", "reduce_scatter_grad")
+    assert 'op="avg"' in summed
+    folder = _solve(tmp_path / "summed", "fsdp_unit", {
+        "reduce_scatter_grad": summed.replace('op="avg"', 'op="sum"'),
+        "add_reduced": _real("fsdp_unit", "add_reduced"), "Gathers.take": _real("fsdp_unit", "Gathers.take")})
+    ok, line = G.check_train(folder, "fsdp", ["--zero_stage=3"], (2,), refs)[1]
+    assert not ok and "gradient norm before clipping: first differs at step 0" in line, line
+    folder = _solve(tmp_path / "unsorted", "moe_dispatch_combine", {
+        "ExpertParallelMoE.by_all_to_all": _real("moe_dispatch_combine", "ExpertParallelMoE.by_all_to_all"),
+        "transpose_blocks": "return x"})
+    ok, line = G.check_train(folder, "expert_parallel", BY_NAME["moe_dispatch_combine"].checks[0][2], (2,), refs)[0]
+    assert not ok and "loss: first differs at step 0" in line, line
 
 
 def test_merge_that_forgets_the_weights_fails():
