@@ -391,12 +391,14 @@ def check_train(folder, module, flags, worlds, data_dir):
 
 def _compare_steps(name, records, ref, key, tol, how=""):
     if [r["iter"] for r in records] != [q["iter"] for q in ref]:
-        return False, f"{name}: logged steps {[r['iter'] for r in records]}, the one-process run {[q['iter'] for q in ref]}"
+        return False, (f"{name}: logged steps {[r['iter'] for r in records]}, the one-process run "
+                       f"{[q['iter'] for q in ref]}")
     for r, q in zip(records, ref):
         if not abs(r[key] - q[key]) <= tol(q[key]):
             return False, (f"{name}: first differs at step {r['iter']}: {r[key]:.6f}, the one-process run "
                            f"{q[key]:.6f}")
-    return True, f"{name}: within {LOSS_TOL:.0e}{' ' + how if how else ''} of the one-process run at every step ({len(ref)})"
+    how = f" {how}" if how else ""
+    return True, f"{name}: within {LOSS_TOL:.0e}{how} of the one-process run at every step ({len(ref)})"
 
 
 def check_schedule(folder, name):

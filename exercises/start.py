@@ -36,7 +36,8 @@ def project_imports(filename, root=ROOT):
         f = todo.pop(0)
         if f not in need:
             need.append(f)
-            todo += [n + ".py" for n in _imports(os.path.join(root, f)) if os.path.isfile(os.path.join(root, n + ".py"))]
+            todo += [n + ".py" for n in _imports(os.path.join(root, f))
+                     if os.path.isfile(os.path.join(root, n + ".py"))]
     return need
 
 

@@ -77,7 +77,8 @@ EXERCISES = [
         "DDP's buckets: launch each bucket's all-reduce from backward's hooks, in the same order on every rank",
         30,
         "_ready(p) runs once p's gradient is complete (in self.buffers[self.bucket_of[p]]). Do nothing if not "
-        "self.sync (a micro-step of gradient accumulation before the last: the sum is sent once). Count p in self.ready; then launch every bucket that is full, strictly in bucket order "
+        "self.sync (a micro-step of gradient accumulation before the last: the sum is sent once). Count p in "
+        "self.ready; then launch every bucket that is full, strictly in bucket order "
         "(self.launched is the next to launch): C.all_reduce(buffer, op='avg', group=self.group, async_op=True), "
         "keeping the handle in self.handles. Every rank must issue its all-reduces in the same order, or the "
         "messages of two buckets meet. reduce(): overlap: every bucket was launched; wait for the handles (and "
