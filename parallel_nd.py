@@ -100,6 +100,7 @@ import torch.nn.functional as F
 import collectives as C
 import context_parallel as CP
 import ddp as DDP
+import fsdp as FSDP
 import expert_parallel as EP
 import model as M
 import pipeline_parallel as PP
@@ -595,85 +596,38 @@ class Executor(PP.Executor):
 # dp_shard: a stage's units sharded over the shard group (fsdp.py's ZeRO, on module parameters)
 
 
-class ShardedUnit:
-    """One unit of a stage, its parameters laid end to end in one flat float32 buffer padded
-    to a multiple of the shard group's S ranks (fsdp.Layout's rule); rank r keeps slice r,
-    its shard, with its gradient and Adam's state. The module's parameters are views into
-    the full buffer, which ZeRO-3 allocates only while the unit is gathered (the storage
-    shrinks to nothing when freed, as PyTorch's FSDP frees it, views and all). ZeRO-1/2 keep
-    it, the shard a slice of it; ZeRO-1 keeps the full gradient too, the .grads its views."""
+def gather_once(u):
+    """ZeRO-3 on the mesh: a unit is gathered at its first use in a step and kept to the step's end."""
+    if not u.full[0].untyped_storage().nbytes():
+        u.gather()
 
-    def __init__(self, named, group, zero_stage, device):
-        self.names, self.params = [n for n, _ in named], [p for _, p in named]
-        self.group, self.zero = group, zero_stage
-        n, world = sum(p.numel() for p in self.params), C.get_world_size(group)
-        self.size = -(-n // world)
-        self.start = C.get_rank(group) * self.size
-        self.full = torch.zeros(self.size * world, device=device)
-        self.offsets, o = [], 0
-        for p in self.params:
-            self.full[o:o + p.numel()] = p.detach().reshape(-1)
-            p.data = self.full[o:o + p.numel()].view_as(p)
-            self.offsets.append(o)
-            o += p.numel()
-        self.nbytes = self.full.untyped_storage().nbytes()
-        mine = slice(self.start, self.start + self.size)
-        self.shard = self.full[mine] if zero_stage < 3 else self.full[mine].clone()
-        self.full_grad = torch.zeros_like(self.full) if zero_stage == 1 else None
-        self.grad = self.full_grad[mine] if zero_stage == 1 else torch.zeros(self.size, device=device)
-        self.gathered, self.held = True, []  # held: (parameter, its piece here, its offset, from, to)
-        if zero_stage == 3:
-            self.free()
 
-    def gather(self):
-        """All-gather the shards into the full buffer (ZeRO-3: allocated again first)."""
-        if self.zero == 3 and self.gathered:
-            return
-        self.full.untyped_storage().resize_(self.nbytes)
-        C.all_gather(self.full, self.shard, group=self.group)
-        self.gathered = True
+def zero_grad(u):
+    """Before a step: ZeRO-1's full gradient zeroed and handed to autograd as the parameters'
+    .grad (it accumulates into them in place); ZeRO-2/3: none, autograd allocates."""
+    if u.stage == 1:
+        for g in u.full_grad:
+            g.zero_()
+        for p, view in zip(u.params, u.views(u.full_grad)):
+            p.grad = view
 
-    def free(self):
-        self.full.untyped_storage().resize_(0)
-        self.gathered = False
 
-    def zero_grad(self):
-        """Before a step: ZeRO-1's full gradient zeroed and handed to autograd as views (it
-        accumulates into them in place); ZeRO-2/3: none, autograd allocates."""
-        if self.zero == 1:
-            self.full_grad.zero_()
-            for p, o in zip(self.params, self.offsets):
-                p.grad = self.full_grad[o:o + p.numel()].view_as(p)
-
-    def reduce_scatter(self):
-        """The unit's full gradient (every micro-batch's, summed) averaged over the shard
-        group into this rank's gradient shard; ZeRO-2/3 then drop the full gradient."""
-        flat = self.full_grad if self.zero == 1 else torch.cat(
-            [p.grad.reshape(-1) for p in self.params] + [self.full.new_zeros(self.full.numel() - self.offsets[-1]
-                                                                              - self.params[-1].numel())])
-        out = torch.empty_like(self.grad)
-        C.reduce_scatter(out, flat, op="avg", group=self.group)
-        self.grad.copy_(out)
-        if self.zero > 1:
-            for p in self.params:
-                p.grad = None
-
-    def pieces(self, counted):
-        """[(GPT's name, view of the shard, counted)] for the piece of each parameter in this
-        rank's shard (fsdp.Unit.optimizer_params); .grad the gradient shard's view. counted(p):
-        whether its squared norm counts on this rank (a tp replica once, the tied copy never)."""
-        out = []
-        for name, p, o in zip(self.names, self.params, self.offsets):
-            lo, hi = max(o, self.start), min(o + p.numel(), self.start + self.size)
-            if lo >= hi:
-                continue  # this parameter lies in other ranks' shards
-            piece, g = self.shard[lo - self.start:hi - self.start], self.grad[lo - self.start:hi - self.start]
-            if p.dim() >= 2:  # nanoGPT's decay rule looks at the shape: a piece of a matrix is a matrix
-                piece, g = piece.view(1, -1), g.view(1, -1)
-            piece.grad = g
-            out.append((name, piece, counted(p)))
-            self.held.append((p, piece, o, lo - o, hi - o))
-        return out
+def reduce_scatter(u):
+    """The unit's full gradient (every micro-batch's, summed) averaged over the shard group
+    into this rank's gradient shard; ZeRO-2/3 then drop the full gradient. Whatever gradient
+    autograd left ends in the flat buffer: ZeRO-1's .grad replaced by another tensor (a
+    caller's zero_grad(set_to_none=True)) is added into it, not lost."""
+    if u.stage == 1:
+        for p, view in zip(u.params, u.views(u.full_grad)):
+            if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
+                view += p.grad
+        flats = u.full_grad
+    else:
+        flats = u.flat_grads([p.grad if p.grad is not None else torch.zeros_like(p) for p in u.params])
+    FSDP.add_reduced(u.reduce_scatter(flats), replace=True)
+    if u.stage > 1:
+        for p in u.params:
+            p.grad = None
 
 
 class FullState:
@@ -697,16 +651,18 @@ def unshard(units, full_state):
     optimizer = full_state.optimizer
     with C.untracked():
         for u in units:
-            u.gather()
+            gather_once(u)
+            (_, _, _, size), = u.parts  # the mesh's units are float32: one part
             moments = {}
             for m in M.MOMENTS:
-                flat = torch.zeros(u.size, device=u.shard.device)
-                for _, piece, o, lo, hi in u.held:
-                    flat[o + lo - u.start:o + hi - u.start] = optimizer.state[piece][m].reshape(-1)
-                moments[m] = torch.empty_like(u.full)
-                C.all_gather(moments[m], flat, group=u.group)
-            for p, o in zip(u.params, u.offsets):
-                full_state.state[p] = {m: moments[m][o:o + p.numel()].view_as(p) for m in M.MOMENTS}
+                mine = torch.zeros_like(u.full[0])  # this rank's pieces, where they lie in the full buffer
+                views = dict(zip(map(id, u.params), u.views([mine])))
+                for _, piece, p, lo, hi in u.mine:
+                    views[id(p)].view(-1)[lo:hi] = optimizer.state[piece][m].reshape(-1)
+                moments[m] = torch.empty_like(u.full[0])
+                C.all_gather(moments[m], mine[u.rank * size:(u.rank + 1) * size].clone(), group=u.group)
+            for p, *views in zip(u.params, *(u.views([moments[m]]) for m in M.MOMENTS)):
+                full_state.state[p] = dict(zip(M.MOMENTS, views))
 
 
 @torch.no_grad()
@@ -714,8 +670,9 @@ def reshard(units, full_state, optimizer):
     """After restore() loaded the full parameters and their moments: each rank keeps its shard
     of both (and the step count), as the run had them when it saved."""
     for u in units:
-        u.shard.copy_(u.full[u.start:u.start + u.size])
-        for p, piece, _, lo, hi in u.held:
+        for shard, full, (*_, size) in zip(u.shards, u.full, u.parts):
+            shard.copy_(full[u.rank * size:(u.rank + 1) * size])
+        for _, piece, p, lo, hi in u.mine:
             state = full_state.state.get(p)
             if state:
                 optimizer.state[piece] = dict(step=state["step"].clone(), **{
@@ -792,7 +749,7 @@ def state_bytes(units, stage, optimizer):
     (a shard that is a slice of the full weights is no copy; freed weights hold nothing)."""
     kept = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
             for t in [p for p in stage.parameters()] + [p.grad for p in stage.parameters() if p.grad is not None]
-            + [t for u in units for t in (u.shard, u.grad, u.full_grad) if t is not None]}
+            + [t for u in units for t in u.shards + u.grads + u.full_grad]}
     return sum(kept.values()) + M.optimizer_state_bytes(optimizer)
 
 # -----------------------------------------------------------------------------
@@ -899,11 +856,14 @@ def main(argv=None):
     sharded, replicated = TP.split_params(stage)
     units, buckets = [], None
     if S > 1:  # dp_shard: fsdp's units on this stage's tp slices; the optimizer steps on the shards
-        units = [ShardedUnit(named, shard_group, cfg.zero_stage, device) for _, named in stage.units()]
+        units = [FSDP.Unit(named, shard_group, cfg.zero_stage, device, name=str(key)) for key, named in stage.units()]
         by_key = dict(zip([key for key, _ in stage.units()], units))
         if cfg.zero_stage == 3:
-            stage.gather = lambda key: by_key[key].gather()  # just in time, once a step
-        pieces = [piece for u in units for piece in u.pieces(counted_once(stage, tp_group))]
+            stage.gather = lambda key: gather_once(by_key[key])  # just in time, once a step
+        counted = counted_once(stage, tp_group)
+        for u in units:
+            u.mine = u.pieces()  # [(name, piece of the shard, parameter, start, stop)]
+        pieces = [(name, piece, counted(p)) for u in units for name, piece, p, _, _ in u.mine]
         optimizer = M.make_optimizer([(name, p) for name, p, _ in pieces] + expert_named, cfg, device)
     else:  # the dp_replicate all-reduce: ddp.py's buckets on this rank's parameters
         buckets = DDP.GradBuckets(params, cfg.bucket_mb, cfg.overlap, rep_group) if R > 1 else None
@@ -921,7 +881,7 @@ def main(argv=None):
         full_state = FullState(optimizer)
         with C.untracked():
             for u in units:
-                u.gather()  # ZeRO-3: the full weights for now, to load into (or to keep, with nothing to load)
+                gather_once(u) if cfg.zero_stage == 3 else u.gather()  # ZeRO-3: the full weights for now, to load into (or to keep, with nothing to load)
         M.restore(run, entries, full_state)
         reshard(units, full_state, optimizer)
         optimizer.state.update({p: full_state.state[p] for p in expert_params if p in full_state.state})
@@ -975,7 +935,7 @@ def main(argv=None):
             buckets.sync = not cfg.overlap
         elif S > 1:
             for u in units:
-                u.zero_grad()
+                zero_grad(u)
         else:
             optimizer.zero_grad(set_to_none=True)
         for p in expert_params if S > 1 or buckets else []:
@@ -988,9 +948,9 @@ def main(argv=None):
         PP.sum_tied_grads(stage, pp_group)                   # pp: the tie, between the two ends
         if S > 1:
             for u in units:
-                u.reduce_scatter()       # dp_shard: each unit's gradient into this rank's shard
+                reduce_scatter(u)        # dp_shard: each unit's gradient into this rank's shard
             free_units()
-            grads = [u.grad for u in units]
+            grads = [g for u in units for g in u.grads]
             average(grads, cp_group)     # cp: each rank saw its positions' share of the tokens
             average(grads, rep_group)    # dp_replicate: HSDP's all-reduce of the shards
         else:
