@@ -1,16 +1,15 @@
 """
 Every axis on one mesh: pipeline x data (replicated, and sharded) x context x tensor, on
-pp·dp_replicate·dp_shard·cp·tp ranks (Megatron-LM's "PTD-P", Narayanan et al. 2021, grown
-as torchtitan grows it: FSDP inside each replica group, context parallelism for long
-sequences). The pipeline cuts the model into pp stages by depth; tensor parallelism cuts
-each stage's matrices over tp ranks; context parallelism cuts each sequence into cp parts
-that attend to each other round a ring; and that group of cp·tp ranks is repeated over the
-data axes, each on its own rows of the batch: dp_shard ranks that keep 1/dp_shard of the
-stage's weights, gradients and Adam state (ZeRO), and dp_replicate copies of all that
-(HSDP when both are > 1). A mixture of experts (--n_expert) splits its experts over ep
-ranks borrowed from the dp_shard x cp block, as torchtitan borrows them. Nothing here is
-new: the pieces are ddp.py's, fsdp.py's, tensor_parallel.py's, context_parallel.py's,
-pipeline_parallel.py's and expert_parallel.py's, run on sub-groups.
+pp·dp_replicate·dp_shard·cp·tp ranks (Megatron-LM's "PTD-P", Narayanan et al. 2021, grown as
+torchtitan grows it: FSDP inside each replica group, context parallelism for long sequences).
+The pipeline cuts the model into pp stages by depth; tensor parallelism cuts each stage's
+matrices over tp ranks; context parallelism cuts each sequence into cp parts that attend to
+each other round a ring; and that group of cp·tp ranks is repeated over the data axes, each on
+its own rows of the batch: dp_shard ranks that keep 1/dp_shard of the stage's weights,
+gradients and Adam state (fsdp.py's units), and dp_replicate copies of all that (HSDP when both
+are > 1). A mixture of experts (--n_expert) splits its experts over ep ranks borrowed from the
+dp_shard x cp block. The pieces are ddp.py's, fsdp.py's, tensor_parallel.py's,
+context_parallel.py's, pipeline_parallel.py's and expert_parallel.py's, run on sub-groups.
 
     torchrun --nproc_per_node=8 parallel_nd.py --dp=2 --tp=2 --pp=2 --n_micro=4
     torchrun --nproc_per_node=8 parallel_nd.py --dp_shard=2 --tp=2 --pp=2            # FSDP x TP x PP
@@ -19,79 +18,25 @@ pipeline_parallel.py's and expert_parallel.py's, run on sub-groups.
     torchrun --nproc_per_node=8 parallel_nd.py --dp_shard=2 --cp=2 --tp=2 --n_expert=8 --ep=4  # + EP
     torchrun --nnodes=16 --nproc_per_node=8 ... parallel_nd.py --model=gpt2-xl --pp=4   # see bench/plan_3d.py
 
-The mesh. rank = (((pp_rank·R + rep_rank)·S + shard_rank)·CP + cp_rank)·TP + tp_rank:
-tensor parallel innermost (neighbouring ranks: one node), then context, then the data
-axes, then pipeline outermost. The order follows what each axis sends, and how often:
-  tp  4 all-reduces of b·s·h activations per layer per micro-batch (2 forward, 2 backward),
-      each on the critical path: the most bytes, most often, and nothing hides them. The
-      fastest links, NVLink inside a node.
-  cp  K and V of every layer round the ring, forward and again backward with their
-      gradients: 3·(cp-1) hops of 2·b·(s/cp)·h/tp per layer per micro-batch, each behind the
-      attention on the block in hand. Nearly tp's bytes, but hideable: the next links.
-  dp_shard  per step each unit's weights all-gathered and its gradient reduce-scattered,
-      2·(S-1)/S·4Ψ/(tp·pp): ZeRO's price for 1/S of the state, a step's worth of weights
-      in flight. Inside a node when it fits.
-  dp_replicate  one all-reduce of the (sharded) gradients per step, 2(R-1)/R·4Ψ/(tp·pp·S),
-      overlapped with the last backward (ddp.py's buckets, without a shard axis): the
-      least data axis, the one to span nodes.
-  pp  one activation per micro-batch per boundary forward and its gradient back, b·s·h
-      each, to one neighbour: the least, and it tolerates the slowest links.
-Every group is made by C.new_group(ranks), every rank making every group in the same
-order (tp groups, then cp, dp_shard, dp_replicate, pp; with experts ep, ep_dp), even those
-it is not in. The tie
-between the embedding (first stage) and the head (last stage) is summed between the two
-ends of each pipeline group: the same other coordinates, so the same vocabulary rows.
+The mesh. rank = (((pp_rank·R + rep_rank)·S + shard_rank)·CP + cp_rank)·TP + tp_rank: the axis
+that sends the most, most often, innermost, on the fastest links: tp (4 all-reduces of
+activations a layer, nothing hides them), then cp (K and V round the ring, behind the
+attention), dp_shard (a step's weights all-gathered, its gradients reduce-scattered),
+dp_replicate (one all-reduce a step, overlapped with backward), and pp outermost (one
+activation a micro-batch, to one neighbour). Every rank makes every group, in one order.
 
-What each axis sends per step is derived in axis_messages(), which the tests hold the log to
-and bench/plan_3d.py uses to predict every layout of a cluster.
-
-Experts (--n_expert=E --ep=N). With j = dp_shard·cp + cp_rank a rank's place in its
-dp_shard x cp block, the ep group is N ranks of one run of j (the other coordinates the
-same; N divides the block and E), each holding E/N experts of every MoE layer and running
-expert_parallel's layer on that group: the all-to-all dispatch (--dispatch=allgather, its
-alternative), 4 passes of the routed rows a layer and micro-batch. Why borrow the data
-axes: an expert sees tokens from N ranks' rows instead of one, without ranks of its own
-(torchtitan, Megatron-Core's expert data parallelism); ep inside the block keeps its
-all-to-alls on the data axes' links, after tp's. What is split, and the formula:
-  - the experts are split by ep and nothing else: not tp-split (every tp rank runs the same
-    tokens through the same experts, each in the ep group of its tp coordinate), not ZeRO-
-    sharded (already 1/N each); 16 bytes an element on every rank (state_per_rank);
-  - the router, the attention and everything else are what they are without experts;
-  - an expert's gradient already holds the N ep ranks' tokens (the all-to-all's backward),
-    so it is summed over the ranks holding the same experts, ep_dp (S·cp/N of them) and
-    dp_replicate, and divided by the R·S·cp data ranks: mean over the global batch;
-  - the balance loss is the one-process run's, per whole sequence (with cp its sums over the
-    ring first), its gradient added where each layer is (a pipeline carries no extra loss).
-Refused: --capacity_factor (GShard's drop order is the whole global micro-batch's, which no
-ep group sees, and a pipeline's micro-batch is not the batch), --sequence_parallel, and what
-runs the all-to-alls twice (--schedule=zb's W, --recompute=full's rerun).
-
-The step: the data rank's rows (dp_replicate x dp_shard of them; the cp ranks of one
-sequence take its positions) are cut into m micro-batches for any of pipeline_parallel's
-schedules, each stage running tensor parallel's pieces on its tp group, its attention on
-the cp ring. Then the tie's sum, dp_shard's reduce-scatter of each unit's gradient, the
-average over cp and dp_replicate (the experts': over ep_dp and dp_replicate), and the clip
-(squared norms over dp_shard, tp and pp; the experts' over ep first).
-
-Sharded data parallel in a pipeline. A stage runs each unit (a block; the stage's ends)
-m times a step, forwards and backwards interleaved by the schedule, so a ZeRO-3 unit is
-all-gathered just before its first forward of the step and freed once the last backward
-is done (torchtitan's reshard_after_forward=False for pipelined FSDP): one all-gather and
-one reduce-scatter a step, not fsdp.py's 3 a micro-batch. ZeRO-1 and 2 keep the full
-weights between steps (all-gathered after the update); ZeRO-1 keeps the full gradient too.
-A unit's gathers are float32: the stage's modules hold float32 weights that autocast casts.
-
-Flags: --pp, --dp_replicate (--dp is its old name; 0: the rest), --dp_shard, --cp, --tp;
---zero_stage as fsdp.py's; --layout (zigzag, contiguous) as context_parallel.py's;
---schedule, --n_micro (0: 2·pp with a pipeline, 1 without), --virtual_stages as
-pipeline_parallel.py's (zb with --tp=1 --cp=1: its W walks backward again, which would
-repeat tensor parallel's all-reduces and the ring); --sequence_parallel as
-tensor_parallel.py's; --bucket_mb and --overlap as ddp.py's; --n_expert (--top_k,
---aux_loss_coef) as model.py's, with --ep (1: every rank holds every expert) and
---dispatch as expert_parallel.py's.
+The step (train_step): the data rank's rows, cut into m micro-batches for any of
+pipeline_parallel's schedules, each stage running tensor parallel's pieces on its tp group and
+its attention on the cp ring; then reduce_gradients (the tie between the pipeline's two ends,
+dp_shard's reduce-scatter of each unit's gradient, the average over cp and dp_replicate, the
+experts' over ep_dp and dp_replicate), the clip and the update. What each axis sends per
+step: axis_bytes(), which the tests hold the log to and bench/plan_3d.py uses to predict a
+cluster's layouts. The order's reasons, the experts' groups, ZeRO in a pipeline and the flags:
+docs/parallel_nd.md.
 """
 from collections import namedtuple
 from functools import partial
+from types import SimpleNamespace
 
 import torch
 import torch.nn as nn
@@ -210,203 +155,6 @@ def print_mesh(groups, mesh):
         group = {a: [int(rows[f"{a}_{i}"][r]) for i in range(n)] for a, n in sizes.items()}
         print(f"  rank {r:4d} ({', '.join(AXES)}) = ({', '.join(str(int(rows[a][r])) for a in AXES)})  "
               + "  ".join(f"{a} group {group[a]}" for a in CREATED + tuple(a for a in EP_AXES if a in group)))
-
-# -----------------------------------------------------------------------------
-# the traffic, in code: shared with bench/plan_3d.py
-
-
-def block_params(config):
-    """(sharded, replicated) elements of one block, outside a mixture's experts: tensor
-    parallelism splits c_attn, the c_proj weights and c_fc (a MoE block: the attention's
-    only); the LayerNorms, the row-parallel biases and a MoE's router are replicated."""
-    h, bias, E = config.n_embd, int(config.bias), config.n_expert
-    if E:
-        return 4 * h * h + 3 * h * bias, 2 * h + 3 * h * bias + E * h
-    return 12 * h * h + 7 * h * bias, 2 * h + 4 * h * bias
-
-
-def stage_params(config, tp, pp, stage):
-    """(sharded, replicated): the parameters a rank of `stage` holds, in elements, but a
-    mixture's experts (expert_params). Sharded: its 1/tp of every matrix tensor parallelism
-    splits (and the tied matrix's copy on a last stage); replicated: LayerNorms, row-parallel
-    biases, the position embedding, the routers."""
-    h, bias = config.n_embd, int(config.bias)
-    n_blocks = len(PP.stage_layers(config.n_layer, pp, stage))
-    sharded, replicated = (n_blocks * n for n in block_params(config))
-    first, last = stage == 0, stage == pp - 1
-    sharded += config.vocab_size * h * (first + (last and not first))  # wte, or its copy as the head
-    replicated += config.block_size * h * first + (h + h * bias) * last  # wpe; ln_f
-    return sharded // tp, replicated
-
-
-def expert_params(config, ep, pp, stage):
-    """The experts' elements a rank of `stage` holds: E/ep of each of its blocks' experts
-    (an expert is the dense MLP's 8h² + 5h), neither tp-split nor ZeRO-sharded."""
-    h, bias, E = config.n_embd, int(config.bias), config.n_expert
-    return len(PP.stage_layers(config.n_layer, pp, stage)) * E // ep * (8 * h * h + 5 * h * bias)
-
-
-def unit_sizes(config, tp, pp, stage):
-    """The elements of each ZeRO unit of `stage` on one tp rank: its ends (embeddings on the
-    first stage, final norm and the head's copy on the last; none in the middle), then its
-    blocks (a mixture's experts left out: they stay whole, split by ep instead)."""
-    h, bias = config.n_embd, int(config.bias)
-    first, last = stage == 0, stage == pp - 1
-    ends = (config.vocab_size * h // tp + config.block_size * h) * first + (h + h * bias) * last
-    ends += config.vocab_size * h // tp * (last and not first)
-    sharded, replicated = block_params(config)
-    block = sharded // tp + replicated
-    return [ends] * (first or last) + [block] * len(PP.stage_layers(config.n_layer, pp, stage))
-
-
-Message = namedtuple("Message", "axis stage what op n nbytes count")
-
-
-def axis_messages(config, cfg, mesh, routed=None):
-    """Every message of one training step: Message(axis, stage, what, op, n, nbytes, count):
-    each group of `axis` on pipeline `stage` (None: the pipeline groups, which span the
-    stages) sends `count` of op ("all_reduce"; "rs_ag", a reduce-scatter and an all-gather
-    of nbytes; "all_gather", "reduce_scatter" of nbytes in all; "p2p", one message) among its
-    n ranks. Activations travel in the compute dtype inside tensor parallel regions and the
-    ring, float32 across a stage boundary (pipeline_parallel.BOUNDARY_DTYPE) and in the
-    embedding's region; gradients, weights and norms in float32.
-
-    With --n_expert, per MoE layer and micro-batch, on the ep group (N = ep ranks, n = b·s
-    tokens a rank routes, k = top_k; the rows in the compute dtype, the routing in int64):
-    alltoall, the all-gather of every rank's (E, k) choice counts and 4 passes of the rows
-    sent between ranks (dispatch, combine, and both backward): 4·routed rows of h, routed
-    the rows one group's ranks dispatched to each other's experts in the step (routing
-    decides it: None, the expectation under uniform routing, (N-1)·n·k a layer and
-    micro-batch); allgather, the all-gather of the N·n choices, of the N·n rows (backward
-    its reduce-scatter) and the reduce-scatter of the N·n·k outputs (backward an all-gather).
-    Then the experts' gradients averaged over ep_dp and dp_replicate, and the norm's float
-    on ep; with cp > 1, the balance loss's per-sequence sums (b·2E floats) on the cp ring."""
-    pp, R, S, cp, tp = mesh
-    d = 2 if cfg.dtype == "bfloat16" else 4
-    m = cfg.n_micro
-    v = PP.virtual_stages(cfg)  # interleaved: p·v-1 chunk boundaries
-    b, s, h, V = cfg.batch_size // (R * S * m), config.block_size // cp, config.n_embd, config.vocab_size
-    sp, clip = cfg.sequence_parallel, bool(cfg.grad_clip)
-    # --recompute=full: backward reruns each block's forward, which stops once it has what
-    # backward reads (torch's checkpoint "early stop"): the ring again, and every tp message
-    # but the block's last g (an all-reduce; with sequence parallelism a reduce-scatter)
-    rerun = getattr(cfg, "recompute", "none") == "full"  # (a plan's cfg may not say)
-    region = "rs_ag" if sp else "all_reduce"  # f and g: the same bytes either way
-    kv = 2 * b * s * h // tp  # K and V of one rank's positions and heads
-    E, k_top, ep = config.n_expert, config.top_k, getattr(cfg, "ep", 1)  # (a plan's cfg may not say)
-    alltoall = getattr(cfg, "dispatch", "alltoall") != "allgather"
-    out = []
-    for k in range(pp):
-        first, last = k == 0, k == pp - 1
-        n_blocks = len(PP.stage_layers(config.n_layer, pp, k))
-        sharded, replicated = stage_params(config, tp, pp, k)
-        held = sum(-(-n // S) for n in unit_sizes(config, tp, pp, k)) if S > 1 else sharded + replicated
-        ring = m * n_blocks * cp * (cp - 1)  # every rank of the ring, every hop, every block, every micro-batch
-        out += [Message("tp", k, "blocks, head", region, tp, b * s * h * d, m * ((2 if E else 4) * n_blocks + last)),
-                Message("tp", k, "rerun", "all_gather" if sp else "all_reduce", tp, b * s * h * d,
-                        m * n_blocks * (3 if sp else 1) * rerun),  # sp: 3 halves of a region (AG, RS, AG)
-                Message("tp", k, "embedding", region, tp, b * s * h * 4, m * first),
-                Message("tp", k, "loss", "all_reduce", tp, b * s * 4, 3 * m * last),
-                Message("tp", k, "norm", "all_reduce", tp, 4, clip),
-                Message("tp", k, "replicas", "all_reduce", tp, 4 * replicated, sp),  # sequence parallel's
-                Message("cp", k, "k, v", "p2p", cp, kv * d, (2 + rerun) * ring),  # forward, (the rerun,) backward
-                Message("cp", k, "dk, dv", "p2p", cp, kv * 4, ring),
-                Message("cp", k, "gradients", "all_reduce", cp, 4 * held, 1),
-                Message("dp_shard", k, "weights", "all_gather", S, 4 * S * held, 1),
-                Message("dp_shard", k, "gradients", "reduce_scatter", S, 4 * S * held, 1),
-                Message("dp_shard", k, "norm", "all_reduce", S, 4, clip),
-                Message("dp_replicate", k, "gradients", "all_reduce", R, 4 * held, 1)]
-        if E:  # a mixture of experts: every block's MLP
-            layers, n, experts = m * n_blocks, b * s, 4 * expert_params(config, ep, pp, k)
-            rows = (ep - 1) * n * k_top * layers if routed is None else routed
-            out += [Message("ep", k, "counts", "all_gather", ep, ep * E * k_top * 8, layers * alltoall),
-                    Message("ep", k, "rows", "p2p", ep, h * d, 4 * rows * alltoall),
-                    Message("ep", k, "choices", "all_gather", ep, ep * n * k_top * 8, layers * (not alltoall)),
-                    Message("ep", k, "rows", "rs_ag", ep, ep * n * h * d, layers * (not alltoall)),
-                    Message("ep", k, "outputs", "rs_ag", ep, ep * n * k_top * h * d, layers * (not alltoall)),
-                    Message("ep", k, "norm", "all_reduce", ep, 4, clip),
-                    Message("ep_dp", k, "experts' gradients", "all_reduce", S * cp // ep, experts, 1),
-                    Message("dp_replicate", k, "experts' gradients", "all_reduce", R, experts, 1),
-                    Message("cp", k, "balance", "all_reduce", cp, b * 2 * E * 4, layers)]
-    act = b * (s // tp if sp else s) * h * PP.BOUNDARY_DTYPE.itemsize
-    out += [Message("pp", None, "activations", "p2p", pp, act, 2 * (pp * v - 1) * m),  # and their gradients
-            Message("pp", None, "tie", "p2p", pp, V // tp * h * 4, 2 * (pp > 1)),  # each end its half
-            Message("pp", None, "norm", "all_reduce", pp, 4, clip)]
-    return [msg for msg in out if msg.count and msg.n > 1]
-
-
-def group_bytes(op, n, nbytes):
-    """Bytes the n ranks of a group send in all for one op: a ring or a tree all-reduce
-    2(N-1)·S, a reduce-scatter plus an all-gather (N-1)·S each, a ring all-gather or
-    reduce-scatter of S in all (N-1)·S (each rank's S/N passes N-1 ranks), a message S."""
-    return nbytes if op == "p2p" else (n - 1) * nbytes * (1 if op in ("all_gather", "reduce_scatter") else 2)
-
-
-def axis_bytes(config, cfg, mesh, stage=None, routed=None):
-    """{axis: bytes per step}. stage=None: sent by every rank of the world on that axis;
-    stage=k: sent by the ranks of one group of the axis that a rank of stage k is in (its
-    tp, cp and data groups live on stage k; its pp group spans the stages). routed: the rows
-    that group's ep ranks dispatched to each other (axis_messages; stage=None: every group's).
-
-    What each axis sends per step (per group, summed over its ranks; collectives.py's ring
-    and tree all-reduces both send 2(N-1)·S in all; B the global batch, m = --n_micro,
-    b = B/(R·S·m), s the sequence a cp rank holds (block_size/cp), h the width, V the
-    vocabulary, L_k the blocks of stage k, d the compute dtype's bytes, Ψ_k the elements a
-    rank of stage k holds (stage_params), P_k the same in ZeRO units padded to S·⌈n/S⌉):
-      tp (stage k)  m · (4·L_k + [first] + [last]) all-reduces of b·s·h (d; the embedding's 4;
-                    a MoE block 2, its experts not tp-split;
-                    --recompute=full: + L_k, the rerun's first g; sequence parallel: + 1.5·L_k),
-                    + [last] m·3 all-reduces of b·s floats (the loss) + 1 float (the norm)
-                    (--sequence_parallel: each all-reduce a reduce-scatter + all-gather, the
-                    same bytes, + the replicated parameters' gradients once)
-      cp (stage k)  m·L_k·cp·(cp-1) hops of K, V (2·b·s·h/tp, d bytes) forward, as many
-                    backward (and as many again for --recompute=full's rerun), as many of dK,
-                    dV (4 bytes); + one all-reduce of the gradients
-                    the rank holds (Ψ_k floats, or its P_k/S under dp_shard)
-      dp_shard      (S-1)·4P_k for the all-gather of the stage's units, as much for the
-                    reduce-scatter of their gradients, + 1 float (the norm)
-      dp_replicate  one all-reduce of the gradients the rank holds, float32 (Ψ_k or P_k/S)
-      pp            2·(pp·v-1)·m activations of b·s·h floats (b·s·h/tp with sequence parallel:
-                    each tp rank sends its own positions), + 2·V/tp·h floats (the tie) + 1 float
-      ep (stage k)  m·L_k MoE layers' exchanges (axis_messages), + 1 float (the norm)
-      ep_dp         one all-reduce of the experts' gradients the rank holds, X_k = expert_params
-                    floats (and one more on dp_replicate)
-    bench/plan_3d.py uses this same function to predict the step time of a layout on a
-    cluster. Without --sequence_parallel every tp rank sends the whole activation across a
-    boundary: tp copies of the same bytes (Megatron's scatter/gather optimisation sends 1/tp
-    and all-gathers after); with it, each sends only its own positions.
-    """
-    world = world_of(mesh)
-    out = dict.fromkeys(axes(config), 0)
-    for msg in axis_messages(config, cfg, mesh, routed):
-        if stage is None or msg.stage in (None, stage):
-            groups = 1 if stage is not None else world // msg.n // (1 if msg.axis == "pp" else mesh.pp)
-            out[msg.axis] += msg.count * group_bytes(msg.op, msg.n, msg.nbytes) * groups
-    return out
-
-
-def traffic_per_rank(config, cfg, world):
-    """Bytes a rank sends per step, on average over the world."""
-    return sum(axis_bytes(config, cfg, layout(cfg, config, world, check=False)).values()) / world
-
-
-def state_per_rank(config, cfg, mesh, stage, shard_rank):
-    """Bytes of parameters, gradients and Adam's state on a rank of `stage` at dp_shard
-    coordinate shard_rank: what state_bytes() measures. Without dp_shard 16 bytes an element
-    (float32 weight, gradient, Adam's m and v). With it, fsdp.state_per_rank's rule on this
-    stage's units: each of n elements padded to P = S·⌈n/S⌉, the rank's shard of S' = P/S
-    holding R' real elements (Adam's moments only for those):
-      ZeRO-3   4S' + 4S' + 8R'     ZeRO-2   4P + 4S' + 8R'     ZeRO-1   4P + 4P + 8R'
-    plus a mixture's experts, 16 bytes an element of expert_params at every ZeRO stage."""
-    S = mesh.dp_shard
-    total = 16 * expert_params(config, getattr(cfg, "ep", 1), mesh.pp, stage) if config.n_expert else 0
-    if S == 1:
-        return total + 16 * sum(stage_params(config, mesh.tp, mesh.pp, stage))
-    for n in unit_sizes(config, mesh.tp, mesh.pp, stage):
-        size = -(-n // S)
-        real = min(max(n - shard_rank * size, 0), size)
-        total += {3: 8 * size, 2: 4 * S * size + 4 * size, 1: 8 * S * size}[cfg.zero_stage] + 8 * real
-    return total
 
 # -----------------------------------------------------------------------------
 # a pipeline stage made of tensor parallel pieces
@@ -645,12 +393,14 @@ class FullState:
 
 
 @torch.no_grad()
-def unshard(units, full_state):
+def unshard(dp):
     """Every unit's full weights (ZeRO-3: gathered) and Adam's moments all-gathered over the
-    shard group into full-parameter tensors, for a checkpoint. Untracked: not training traffic."""
-    optimizer = full_state.optimizer
+    shard group into full-parameter tensors, for a checkpoint (with the experts' moments, kept
+    whole). Untracked: not training traffic."""
+    optimizer, full_state = dp.optimizer, dp.full_state
+    full_state.state.update({p: optimizer.state[p] for p in dp.experts})
     with C.untracked():
-        for u in units:
+        for u in dp.units:
             gather_once(u)
             (_, _, _, size), = u.parts  # the mesh's units are float32: one part
             moments = {}
@@ -744,13 +494,17 @@ def expert_sq(params, me, ep_group):
     return sq * (me.tp == me.dp_shard == 0), [p.grad for p in params]
 
 
-def state_bytes(units, stage, optimizer):
+def state_bytes(dp, stage):
     """Parameters, gradients and Adam's state resident on this rank, each storage counted once
     (a shard that is a slice of the full weights is no copy; freed weights hold nothing)."""
+    if not dp.units:
+        grads = (dp.buckets.buffers if dp.buckets else [p.grad for p in dp.params]) + [p.grad for p in dp.experts]
+        return (M.tensor_bytes(dp.params + dp.experts) + M.tensor_bytes(grads)
+                + M.optimizer_state_bytes(dp.optimizer))
     kept = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
             for t in [p for p in stage.parameters()] + [p.grad for p in stage.parameters() if p.grad is not None]
-            + [t for u in units for t in u.shards + u.grads + u.full_grad]}
-    return sum(kept.values()) + M.optimizer_state_bytes(optimizer)
+            + [t for u in dp.units for t in u.shards + u.grads + u.full_grad]}
+    return sum(kept.values()) + M.optimizer_state_bytes(dp.optimizer)
 
 # -----------------------------------------------------------------------------
 # the run
@@ -804,8 +558,8 @@ def layout(cfg, config, world, check=True):
     return mesh
 
 
-def main(argv=None):
-    cfg = M.parse_args(DEFAULTS, argv, __doc__)
+def check_flags(cfg):
+    """The flags alone, before any message: one line and exit on every rank."""
     if min(cfg.tp, cfg.pp, cfg.cp, cfg.dp_shard) < 1 or min(cfg.dp, cfg.dp_replicate) < 0:
         M.die("--pp, --dp_shard, --cp and --tp must be at least 1, --dp_replicate (--dp) at least 0 (0: the rest)")
     if cfg.schedule not in PP.SCHEDULES:
@@ -827,81 +581,158 @@ def main(argv=None):
         M.die(f"--ep={cfg.ep} must be at least 1, and more than 1 only with --n_expert (a mixture of experts); "
               f"--dispatch takes {' or '.join(EP.DISPATCH)}, not {cfg.dispatch!r}")
 
-    run = M.start(cfg, "parallel_nd", moe=True)
-    rank, world, device, config = run.rank, run.world, run.device, run.config
-    mesh = layout(cfg, config, world)
-    v = PP.virtual_stages(cfg)  # the chunks a stage holds
-    sp, n_micro, S, R = cfg.sequence_parallel, cfg.n_micro, mesh.dp_shard, mesh.dp_replicate
-    me = coords(rank, mesh)
-    moe, ep = bool(config.n_expert), cfg.ep
-    groups = make_groups(rank, mesh, ep if moe else 0)
-    tp_group, cp_group, shard_group, rep_group, pp_group = (groups[a] for a in ("tp", "cp", "dp_shard",
-                                                                               "dp_replicate", "pp"))
-    last_stage = [r for r in range(world) if coords(r, mesh).pp == mesh.pp - 1]
-    print_mesh(groups, mesh)
 
-    ring = CP.Ring(cp_group, cfg.layout) if mesh.cp > 1 else None
+def build_stage(cfg, config, mesh, me, groups, device):
+    """This rank's pipeline stage: its blocks cut over tp, the attention on the cp ring, a
+    mixture's MLPs expert_parallel's layer on the ep group."""
+    ring = CP.Ring(groups["cp"], cfg.layout) if mesh.cp > 1 else None
     pos = CP.positions(config.block_size, me.cp, mesh.cp, cfg.layout, device) if ring else None
     make_moe = None
-    if moe:  # expert_parallel's layer on the ep group
-        ep_group, ep_dp_group = groups["ep"], groups["ep_dp"]
+    if config.n_expert:
         wire = torch.bfloat16 if cfg.dtype == "bfloat16" else None  # the rows travel in the compute dtype
-        make_moe = partial(MeshMoE, mode=cfg.dispatch, wire_dtype=wire, group=ep_group, cp_group=cp_group,
-                           aux_scale=config.aux_loss_coef / (config.n_layer * n_micro))
-    stage = Stage(config, me.pp, mesh.pp, cfg.seed, tp_group, sp, v, pos, ring, make_moe).to(device)
+        make_moe = partial(MeshMoE, mode=cfg.dispatch, wire_dtype=wire, group=groups["ep"], cp_group=groups["cp"],
+                           aux_scale=config.aux_loss_coef / (config.n_layer * cfg.n_micro))
+    stage = Stage(config, me.pp, mesh.pp, cfg.seed, groups["tp"], cfg.sequence_parallel, PP.virtual_stages(cfg),
+                  pos, ring, make_moe).to(device)
     stage.recompute = cfg.recompute
-    expert_named = experts(stage)  # kept whole (E/ep of each layer), out of the ZeRO units and the buckets
-    expert_params = [p for _, p in expert_named]
-    params = [p for p in stage.parameters() if not hasattr(p, "ep_index")]
-    sharded, replicated = TP.split_params(stage)
-    units, buckets = [], None
-    if S > 1:  # dp_shard: fsdp's units on this stage's tp slices; the optimizer steps on the shards
-        units = [FSDP.Unit(named, shard_group, cfg.zero_stage, device, name=str(key)) for key, named in stage.units()]
-        by_key = dict(zip([key for key, _ in stage.units()], units))
-        if cfg.zero_stage == 3:
-            stage.gather = lambda key: gather_once(by_key[key])  # just in time, once a step
-        counted = counted_once(stage, tp_group)
-        for u in units:
-            u.mine = u.pieces()  # [(name, piece of the shard, parameter, start, stop)]
-        pieces = [(name, piece, counted(p)) for u in units for name, piece, p, _, _ in u.mine]
-        optimizer = M.make_optimizer([(name, p) for name, p, _ in pieces] + expert_named, cfg, device)
-    else:  # the dp_replicate all-reduce: ddp.py's buckets on this rank's parameters
-        buckets = DDP.GradBuckets(params, cfg.bucket_mb, cfg.overlap, rep_group) if R > 1 else None
-        optimizer = M.make_optimizer(stage.named_parameters(), cfg, device)
-    run.layout = dict(mesh._asdict(), zero_stage=cfg.zero_stage, layout=cfg.layout, schedule=cfg.schedule,
-                      n_micro=n_micro, sequence_parallel=sp, **(dict(ep=ep, dispatch=cfg.dispatch) if moe else {}))
-    def free_units():  # ZeRO-3: a unit's full weights live only from its first use in a step to the step's end
-        if cfg.zero_stage == 3:
-            for u in units:
-                u.free()
+    return stage
 
-    writer = me.dp_replicate == me.dp_shard == me.cp == 0
-    entries = checkpoint_entries(stage, tp_group, writer, me.dp_replicate == 0 and me.dp_shard * mesh.cp + me.cp < ep)
-    if S > 1:  # the checkpoint holds full tensors: load them into the full weights, then keep the shards
-        full_state = FullState(optimizer)
-        with C.untracked():
-            for u in units:
-                gather_once(u) if cfg.zero_stage == 3 else u.gather()  # ZeRO-3: the full weights for now, to load into (or to keep, with nothing to load)
-        M.restore(run, entries, full_state)
-        reshard(units, full_state, optimizer)
-        optimizer.state.update({p: full_state.state[p] for p in expert_params if p in full_state.state})
-        full_state.state.clear()
-        free_units()
+
+def build_data_parallel(run, cfg, mesh, me, groups, stage):
+    """What the data axes keep of `stage`, and its optimizer, loaded from --resume if given.
+    dp_shard: fsdp's units on this stage's tp slices, the optimizer on their shards;
+    otherwise the parameters whole, with dp_replicate's buckets (ddp.py's). A mixture's
+    experts stay whole (E/ep of each layer), out of the units and the buckets."""
+    dp = SimpleNamespace(units=[], buckets=None, pieces=[], zero=cfg.zero_stage if mesh.dp_shard > 1 else 0)
+    expert_named = experts(stage)
+    dp.experts = [p for _, p in expert_named]
+    dp.params = [p for p in stage.parameters() if not hasattr(p, "ep_index")]
+    dp.replicated = TP.split_params(stage)[1]
+    if dp.zero:
+        keyed = [(key, FSDP.Unit(named, groups["dp_shard"], dp.zero, run.device, name=str(key)))
+                 for key, named in stage.units()]
+        dp.units = [u for _, u in keyed]
+        if dp.zero == 3:
+            stage.gather = lambda key: gather_once(dict(keyed)[key])  # just in time, once a step
+        counted = counted_once(stage, groups["tp"])
+        for u in dp.units:
+            u.mine = u.pieces()  # [(name, piece of the shard, parameter, start, stop)]
+        dp.pieces = [(name, piece, counted(p)) for u in dp.units for name, piece, p, _, _ in u.mine]
+        dp.optimizer = M.make_optimizer([(name, p) for name, p, _ in dp.pieces] + expert_named, cfg, run.device)
     else:
-        M.restore(run, entries, optimizer)  # both tied copies are loaded
-    b = cfg.batch_size // (R * S * n_micro)
-    s = config.block_size // mesh.cp
-    act_shape = (s // mesh.tp if sp else s, b, config.n_embd)
+        if mesh.dp_replicate > 1:
+            dp.buckets = DDP.GradBuckets(dp.params, cfg.bucket_mb, cfg.overlap, groups["dp_replicate"])
+        dp.optimizer = M.make_optimizer(stage.named_parameters(), cfg, run.device)
+    writer = me.dp_replicate == me.dp_shard == me.cp == 0
+    entries = checkpoint_entries(stage, groups["tp"], writer,
+                                 me.dp_replicate == 0 and me.dp_shard * mesh.cp + me.cp < cfg.ep)
+    if not dp.zero:
+        M.restore(run, entries, dp.optimizer)  # both tied copies are loaded
+        return dp
+    dp.full_state = FullState(dp.optimizer)  # the checkpoint holds full tensors: loaded whole, then cut
+    with C.untracked():
+        for u in dp.units:
+            gather_once(u) if dp.zero == 3 else u.gather()  # the full weights, to load into (or to keep)
+    M.restore(run, entries, dp.full_state)
+    reshard(dp.units, dp.full_state, dp.optimizer)
+    dp.optimizer.state.update({p: dp.full_state.state[p] for p in dp.experts if p in dp.full_state.state})
+    dp.full_state.state.clear()
+    free_units(dp)
+    return dp
+
+
+def free_units(dp):
+    """ZeRO-3 on the mesh: a unit's full weights live from its first use in a step to the step's end."""
+    if dp.zero == 3:
+        for u in dp.units:
+            u.free()
+
+
+def train_step(dp, stage, executor, plan, rows, cfg, groups, me):
+    """One optimizer step: the schedule's forwards and backwards, the gradients reduced over
+    every axis (reduce_gradients), the clip, the update. -> (the losses, the norm)"""
+    if dp.buckets:
+        dp.buckets.zero()
+        dp.buckets.sync = not cfg.overlap
+    elif dp.units:
+        for u in dp.units:
+            zero_grad(u)
+    else:
+        dp.optimizer.zero_grad(set_to_none=True)
+    for p in dp.experts if dp.units or dp.buckets else []:
+        p.grad = None
+    losses = executor.run(plan, rows)
+    extra = reduce_gradients(dp, stage, cfg, groups, me)
+    if dp.units:
+        norm = clip_shards(dp.pieces, cfg.grad_clip, [groups["dp_shard"], groups["tp"], groups["pp"]], extra)
+    else:
+        norm = clip_global_norm(stage, cfg.grad_clip, groups["tp"], groups["pp"], extra)
+    dp.optimizer.step()
+    if dp.zero in (1, 2):
+        for u in dp.units:
+            u.gather()  # every rank needs the updated full weights again
+    return losses, norm
+
+
+def reduce_gradients(dp, stage, cfg, groups, me):
+    """Each gradient summed over the ranks that hold a copy of it, after the last backward:
+    -> the experts' (squares, gradients) for the clip (expert_sq), or None."""
+    if dp.buckets:
+        dp.buckets.reduce()  # dp_replicate: the average over the replicas (waits for the overlapped ones)
+    if cfg.sequence_parallel:
+        TP.sum_replicated_grads(dp.replicated, groups["tp"])  # tp: replicas saw only their positions
+    PP.sum_tied_grads(stage, groups["pp"])  # pp: the tie, between the two ends
+    if dp.units:
+        for u in dp.units:
+            reduce_scatter(u)  # dp_shard: each unit's gradient into this rank's shard
+        free_units(dp)
+        grads = [g for u in dp.units for g in u.grads]
+        average(grads, groups["cp"])  # cp: each rank saw its positions' share of the tokens
+        average(grads, groups["dp_replicate"])  # dp_replicate: HSDP's all-reduce of the shards
+    else:
+        average(dp.buckets.buffers if dp.buckets else [p.grad for p in dp.params], groups["cp"])
+    if not dp.experts:
+        return None
+    grads = [p.grad for p in dp.experts]  # from the ep group's tokens: summed over the other data ranks
+    average(grads, groups["ep_dp"])  # ep_dp: the ranks that hold the same experts
+    average(grads, groups["dp_replicate"])
+    for g in grads:  # the mean over the R·S·cp data ranks: ep of them were summed already
+        g.div_(cfg.ep)
+    return expert_sq(dp.experts, me, groups["ep"]) if cfg.grad_clip else None
+
+
+def main(argv=None):
+    cfg = M.parse_args(DEFAULTS, argv, __doc__)
+    check_flags(cfg)
+    run = M.start(cfg, "parallel_nd", moe=True)
+    rank, world, device, config = run.rank, run.world, run.device, run.config
+    # 1. the mesh: every group of every axis, made by every rank in one order
+    mesh = layout(cfg, config, world)
+    me = coords(rank, mesh)
+    moe, ep, n_micro, S, R = bool(config.n_expert), cfg.ep, cfg.n_micro, mesh.dp_shard, mesh.dp_replicate
+    groups = make_groups(rank, mesh, ep if moe else 0)
+    print_mesh(groups, mesh)
+    # 2. the stage: tp's pieces, the cp ring, the experts; then what the data axes keep of it
+    stage = build_stage(cfg, config, mesh, me, groups, device)
+    dp = build_data_parallel(run, cfg, mesh, me, groups, stage)
+    run.layout = dict(mesh._asdict(), zero_stage=cfg.zero_stage, layout=cfg.layout, schedule=cfg.schedule,
+                      n_micro=n_micro, sequence_parallel=cfg.sequence_parallel,
+                      **(dict(ep=ep, dispatch=cfg.dispatch) if moe else {}))
+    # 3. the pipeline's runtime and its schedules
+    b, s = cfg.batch_size // (R * S * n_micro), config.block_size // mesh.cp
+    act_shape = (s // mesh.tp if cfg.sequence_parallel else s, b, config.n_embd)
     executor = Executor(stage, act_shape, n_micro, run.autocast, torch.compile(stage) if cfg.compile else None,
-                        pp_group, buckets=buckets if cfg.overlap else None)
+                        groups["pp"], buckets=dp.buckets if cfg.overlap else None)
+    v = PP.virtual_stages(cfg)
     train_plan = PP.plan(cfg.schedule, mesh.pp, n_micro, me.pp, v)
     eval_plan = PP.plan(cfg.schedule, mesh.pp, n_micro, me.pp, v, train=False)
     sizes = dict(mesh._asdict(), **({"ep": ep, "ep_dp": S * mesh.cp // ep} if moe else {}))
     formula = {a: axis_bytes(config, cfg, mesh, stage=me.pp)[a] / n for a, n in sizes.items()}
+    last_stage = [r for r in range(world) if coords(r, mesh).pp == mesh.pp - 1]
     if rank == 0:
         print(f"parallel_nd: " + " x ".join(f"{a}={n}" for a, n in mesh._asdict().items()) + f" = {world} ranks"
-              f"{f', ZeRO-{cfg.zero_stage}' if S > 1 else ''}{f', {cfg.layout} ring' if ring else ''}"
-              f"{', sequence parallel' if sp else ''}"
+              f"{f', ZeRO-{cfg.zero_stage}' if S > 1 else ''}{f', {cfg.layout} ring' if mesh.cp > 1 else ''}"
+              f"{', sequence parallel' if cfg.sequence_parallel else ''}"
               f"{f', {config.n_expert} experts over ep={ep} ({cfg.dispatch})' if moe else ''}, "
               f"{M.param_count(config) / 1e6:.2f}M parameters, schedule "
               f"{cfg.schedule}, {n_micro} micro-batches of {b} x {s} tokens per pipeline, bubble "
@@ -910,7 +741,7 @@ def main(argv=None):
     def rows(step, split):  # this data rank's rows of the global batch, its cp positions, in micro-batches
         batch = partial(M.batch, run, step, split, n_micro=n_micro, dp_rank=me.dp_replicate * S + me.dp_shard,
                         dp_size=R * S)
-        return batch if pos is None else lambda k: tuple(t[:, pos] for t in batch(k))
+        return batch if stage.pos is None else lambda k: tuple(t[:, stage.pos] for t in batch(k))
 
     @torch.no_grad()
     def evaluate():
@@ -919,77 +750,31 @@ def main(argv=None):
         with C.untracked():  # bookkeeping, not training traffic
             for k in range(cfg.eval_iters):
                 losses += executor.run(eval_plan, rows(k, "val"), train=False)
-            free_units()
+            free_units(dp)
             loss = torch.stack(losses).mean() if stage.last else torch.zeros((), device=device)
-            for group in (cp_group, shard_group, rep_group):  # equal shares of tokens
-                C.all_reduce(loss, op="avg", group=group)
-            C.broadcast(loss, src=C.group_ranks(pp_group)[-1], group=pp_group)  # only the last stage has it
+            for axis in ("cp", "dp_shard", "dp_replicate"):  # equal shares of tokens
+                C.all_reduce(loss, op="avg", group=groups[axis])
+            C.broadcast(loss, src=C.group_ranks(groups["pp"])[-1], group=groups["pp"])  # the last stage has it
         stage.train()
         return loss.item()
 
     for it in range(run.start_iter, cfg.max_iters):
         M.begin_iter(run, it, evaluate)
         # ---------------------------------------------------------------- the training step
-        if buckets:
-            buckets.zero()
-            buckets.sync = not cfg.overlap
-        elif S > 1:
-            for u in units:
-                zero_grad(u)
-        else:
-            optimizer.zero_grad(set_to_none=True)
-        for p in expert_params if S > 1 or buckets else []:
-            p.grad = None
-        losses = executor.run(train_plan, rows(it, "train"))
-        if buckets:
-            buckets.reduce()             # dp_replicate: the average over the replicas (waits for the overlapped ones)
-        if sp:
-            TP.sum_replicated_grads(replicated, tp_group)  # tp: replicas saw only their positions
-        PP.sum_tied_grads(stage, pp_group)                   # pp: the tie, between the two ends
-        if S > 1:
-            for u in units:
-                reduce_scatter(u)        # dp_shard: each unit's gradient into this rank's shard
-            free_units()
-            grads = [g for u in units for g in u.grads]
-            average(grads, cp_group)     # cp: each rank saw its positions' share of the tokens
-            average(grads, rep_group)    # dp_replicate: HSDP's all-reduce of the shards
-        else:
-            average(buckets.buffers if buckets else [p.grad for p in params], cp_group)
-        extra = None
-        if moe:  # an expert's gradient arrived from its ep group's tokens: summed over the other data ranks
-            grads = [p.grad for p in expert_params]
-            average(grads, ep_dp_group)  # ep_dp: the ranks that hold the same experts
-            average(grads, rep_group)
-            for g in grads:  # the mean over the R·S·cp data ranks: ep of them were summed already
-                g.div_(ep)
-            extra = expert_sq(expert_params, me, ep_group) if cfg.grad_clip else None
-        if S > 1:
-            norm = clip_shards(pieces, cfg.grad_clip, [shard_group, tp_group, pp_group], extra)
-        else:
-            norm = clip_global_norm(stage, cfg.grad_clip, tp_group, pp_group, extra)
-        optimizer.step()
-        if S > 1 and cfg.zero_stage < 3:
-            for u in units:
-                u.gather()               # ZeRO-1/2: every rank needs the updated full weights again
+        losses, norm = train_step(dp, stage, executor, train_plan, rows(it, "train"), cfg, groups, me)
         # ---------------------------------------------------------------- end of the training step
-        if S > 1:
-            state = state_bytes(units, stage, optimizer)
-        else:
-            grads = (buckets.buffers if buckets else [p.grad for p in params]) + [p.grad for p in expert_params]
-            state = M.tensor_bytes(params + expert_params) + M.tensor_bytes(grads) + M.optimizer_state_bytes(optimizer)
-        if S > 1 and M.checkpoint_due(cfg, it + 1):
-            unshard(units, full_state)  # the full weights and moments, for end_iter's checkpoint
-            full_state.state.update({p: optimizer.state[p] for p in expert_params})
-        logged = moe_stats(run, stage, me, ep_group, cfg.dispatch) if moe else {}
+        state = state_bytes(dp, stage)
+        if dp.units and M.checkpoint_due(cfg, it + 1):
+            unshard(dp)  # the full weights and moments, for end_iter's checkpoint
+        logged = moe_stats(run, stage, me, groups["ep"], cfg.dispatch) if moe else {}
         if "routed" in logged:  # alltoall: the bytes depend on the routing, this step's as the group routed it
             formula["ep"] = axis_bytes(config, cfg, mesh, me.pp, logged.pop("routed"))["ep"] / ep
         M.end_iter(run, loss=torch.stack(losses).mean() if losses else 0.0, grad_norm=norm, state_bytes=state,
                    loss_ranks=last_stage, axes=groups, **{f"formula_bytes_{a}": formula[a] for a in sizes},
                    peak_micro=executor.peak_held, act_bytes=executor.peak_bytes, **logged)
-        free_units()
-    if S > 1 and cfg.save_path:
-        unshard(units, full_state)
-        full_state.state.update({p: optimizer.state[p] for p in expert_params})
+        free_units(dp)
+    if dp.units and cfg.save_path:
+        unshard(dp)
     return M.finish(run)
 
 
@@ -1007,6 +792,204 @@ def moe_stats(run, stage, me, ep_group, dispatch):
             C.all_reduce(routed, group=ep_group)
         logged["routed"] = int(routed.item())
     return logged
+
+
+# -----------------------------------------------------------------------------
+# the traffic, in code: shared with bench/plan_3d.py
+
+
+def block_params(config):
+    """(sharded, replicated) elements of one block, outside a mixture's experts: tensor
+    parallelism splits c_attn, the c_proj weights and c_fc (a MoE block: the attention's
+    only); the LayerNorms, the row-parallel biases and a MoE's router are replicated."""
+    h, bias, E = config.n_embd, int(config.bias), config.n_expert
+    if E:
+        return 4 * h * h + 3 * h * bias, 2 * h + 3 * h * bias + E * h
+    return 12 * h * h + 7 * h * bias, 2 * h + 4 * h * bias
+
+
+def stage_params(config, tp, pp, stage):
+    """(sharded, replicated): the parameters a rank of `stage` holds, in elements, but a
+    mixture's experts (expert_params). Sharded: its 1/tp of every matrix tensor parallelism
+    splits (and the tied matrix's copy on a last stage); replicated: LayerNorms, row-parallel
+    biases, the position embedding, the routers."""
+    h, bias = config.n_embd, int(config.bias)
+    n_blocks = len(PP.stage_layers(config.n_layer, pp, stage))
+    sharded, replicated = (n_blocks * n for n in block_params(config))
+    first, last = stage == 0, stage == pp - 1
+    sharded += config.vocab_size * h * (first + (last and not first))  # wte, or its copy as the head
+    replicated += config.block_size * h * first + (h + h * bias) * last  # wpe; ln_f
+    return sharded // tp, replicated
+
+
+def expert_params(config, ep, pp, stage):
+    """The experts' elements a rank of `stage` holds: E/ep of each of its blocks' experts
+    (an expert is the dense MLP's 8h² + 5h), neither tp-split nor ZeRO-sharded."""
+    h, bias, E = config.n_embd, int(config.bias), config.n_expert
+    return len(PP.stage_layers(config.n_layer, pp, stage)) * E // ep * (8 * h * h + 5 * h * bias)
+
+
+def unit_sizes(config, tp, pp, stage):
+    """The elements of each ZeRO unit of `stage` on one tp rank: its ends (embeddings on the
+    first stage, final norm and the head's copy on the last; none in the middle), then its
+    blocks (a mixture's experts left out: they stay whole, split by ep instead)."""
+    h, bias = config.n_embd, int(config.bias)
+    first, last = stage == 0, stage == pp - 1
+    ends = (config.vocab_size * h // tp + config.block_size * h) * first + (h + h * bias) * last
+    ends += config.vocab_size * h // tp * (last and not first)
+    sharded, replicated = block_params(config)
+    block = sharded // tp + replicated
+    return [ends] * (first or last) + [block] * len(PP.stage_layers(config.n_layer, pp, stage))
+
+
+Message = namedtuple("Message", "axis stage what op n nbytes count")
+
+
+def axis_messages(config, cfg, mesh, routed=None):
+    """Every message of one training step: Message(axis, stage, what, op, n, nbytes, count):
+    each group of `axis` on pipeline `stage` (None: the pipeline groups, which span the
+    stages) sends `count` of op ("all_reduce"; "rs_ag", a reduce-scatter and an all-gather
+    of nbytes; "all_gather", "reduce_scatter" of nbytes in all; "p2p", one message) among its
+    n ranks. Activations travel in the compute dtype inside tensor parallel regions and the
+    ring, float32 across a stage boundary (pipeline_parallel.BOUNDARY_DTYPE) and in the
+    embedding's region; gradients, weights and norms in float32.
+
+    With --n_expert, per MoE layer and micro-batch, on the ep group (N = ep ranks, n = b·s
+    tokens a rank routes, k = top_k; the rows in the compute dtype, the routing in int64):
+    alltoall, the all-gather of every rank's (E, k) choice counts and 4 passes of the rows
+    sent between ranks (dispatch, combine, and both backward): 4·routed rows of h, routed
+    the rows one group's ranks dispatched to each other's experts in the step (routing
+    decides it: None, the expectation under uniform routing, (N-1)·n·k a layer and
+    micro-batch); allgather, the all-gather of the N·n choices, of the N·n rows (backward
+    its reduce-scatter) and the reduce-scatter of the N·n·k outputs (backward an all-gather).
+    Then the experts' gradients averaged over ep_dp and dp_replicate, and the norm's float
+    on ep; with cp > 1, the balance loss's per-sequence sums (b·2E floats) on the cp ring."""
+    pp, R, S, cp, tp = mesh
+    d = 2 if cfg.dtype == "bfloat16" else 4
+    m = cfg.n_micro
+    v = PP.virtual_stages(cfg)  # interleaved: p·v-1 chunk boundaries
+    b, s, h, V = cfg.batch_size // (R * S * m), config.block_size // cp, config.n_embd, config.vocab_size
+    sp, clip = cfg.sequence_parallel, bool(cfg.grad_clip)
+    # --recompute=full: backward reruns each block's forward, which stops once it has what
+    # backward reads (torch's checkpoint "early stop"): the ring again, and every tp message
+    # but the block's last g (an all-reduce; with sequence parallelism a reduce-scatter)
+    rerun = getattr(cfg, "recompute", "none") == "full"  # (a plan's cfg may not say)
+    region = "rs_ag" if sp else "all_reduce"  # f and g: the same bytes either way
+    kv = 2 * b * s * h // tp  # K and V of one rank's positions and heads
+    E, k_top, ep = config.n_expert, config.top_k, getattr(cfg, "ep", 1)  # (a plan's cfg may not say)
+    alltoall = getattr(cfg, "dispatch", "alltoall") != "allgather"
+    out = []
+    for k in range(pp):
+        first, last = k == 0, k == pp - 1
+        n_blocks = len(PP.stage_layers(config.n_layer, pp, k))
+        sharded, replicated = stage_params(config, tp, pp, k)
+        held = sum(-(-n // S) for n in unit_sizes(config, tp, pp, k)) if S > 1 else sharded + replicated
+        ring = m * n_blocks * cp * (cp - 1)  # every rank of the ring, every hop, every block, every micro-batch
+        out += [Message("tp", k, "blocks, head", region, tp, b * s * h * d, m * ((2 if E else 4) * n_blocks + last)),
+                Message("tp", k, "rerun", "all_gather" if sp else "all_reduce", tp, b * s * h * d,
+                        m * n_blocks * (3 if sp else 1) * rerun),  # sp: 3 halves of a region (AG, RS, AG)
+                Message("tp", k, "embedding", region, tp, b * s * h * 4, m * first),
+                Message("tp", k, "loss", "all_reduce", tp, b * s * 4, 3 * m * last),
+                Message("tp", k, "norm", "all_reduce", tp, 4, clip),
+                Message("tp", k, "replicas", "all_reduce", tp, 4 * replicated, sp),  # sequence parallel's
+                Message("cp", k, "k, v", "p2p", cp, kv * d, (2 + rerun) * ring),  # forward, (the rerun,) backward
+                Message("cp", k, "dk, dv", "p2p", cp, kv * 4, ring),
+                Message("cp", k, "gradients", "all_reduce", cp, 4 * held, 1),
+                Message("dp_shard", k, "weights", "all_gather", S, 4 * S * held, 1),
+                Message("dp_shard", k, "gradients", "reduce_scatter", S, 4 * S * held, 1),
+                Message("dp_shard", k, "norm", "all_reduce", S, 4, clip),
+                Message("dp_replicate", k, "gradients", "all_reduce", R, 4 * held, 1)]
+        if E:  # a mixture of experts: every block's MLP
+            layers, n, experts = m * n_blocks, b * s, 4 * expert_params(config, ep, pp, k)
+            rows = (ep - 1) * n * k_top * layers if routed is None else routed
+            out += [Message("ep", k, "counts", "all_gather", ep, ep * E * k_top * 8, layers * alltoall),
+                    Message("ep", k, "rows", "p2p", ep, h * d, 4 * rows * alltoall),
+                    Message("ep", k, "choices", "all_gather", ep, ep * n * k_top * 8, layers * (not alltoall)),
+                    Message("ep", k, "rows", "rs_ag", ep, ep * n * h * d, layers * (not alltoall)),
+                    Message("ep", k, "outputs", "rs_ag", ep, ep * n * k_top * h * d, layers * (not alltoall)),
+                    Message("ep", k, "norm", "all_reduce", ep, 4, clip),
+                    Message("ep_dp", k, "experts' gradients", "all_reduce", S * cp // ep, experts, 1),
+                    Message("dp_replicate", k, "experts' gradients", "all_reduce", R, experts, 1),
+                    Message("cp", k, "balance", "all_reduce", cp, b * 2 * E * 4, layers)]
+    act = b * (s // tp if sp else s) * h * PP.BOUNDARY_DTYPE.itemsize
+    out += [Message("pp", None, "activations", "p2p", pp, act, 2 * (pp * v - 1) * m),  # and their gradients
+            Message("pp", None, "tie", "p2p", pp, V // tp * h * 4, 2 * (pp > 1)),  # each end its half
+            Message("pp", None, "norm", "all_reduce", pp, 4, clip)]
+    return [msg for msg in out if msg.count and msg.n > 1]
+
+
+def group_bytes(op, n, nbytes):
+    """Bytes the n ranks of a group send in all for one op: a ring or a tree all-reduce
+    2(N-1)·S, a reduce-scatter plus an all-gather (N-1)·S each, a ring all-gather or
+    reduce-scatter of S in all (N-1)·S (each rank's S/N passes N-1 ranks), a message S."""
+    return nbytes if op == "p2p" else (n - 1) * nbytes * (1 if op in ("all_gather", "reduce_scatter") else 2)
+
+
+def axis_bytes(config, cfg, mesh, stage=None, routed=None):
+    """{axis: bytes per step}. stage=None: sent by every rank of the world on that axis;
+    stage=k: sent by the ranks of one group of the axis that a rank of stage k is in (its
+    tp, cp and data groups live on stage k; its pp group spans the stages). routed: the rows
+    that group's ep ranks dispatched to each other (axis_messages; stage=None: every group's).
+
+    What each axis sends per step (per group, summed over its ranks; collectives.py's ring
+    and tree all-reduces both send 2(N-1)·S in all; B the global batch, m = --n_micro,
+    b = B/(R·S·m), s the sequence a cp rank holds (block_size/cp), h the width, V the
+    vocabulary, L_k the blocks of stage k, d the compute dtype's bytes, Ψ_k the elements a
+    rank of stage k holds (stage_params), P_k the same in ZeRO units padded to S·⌈n/S⌉):
+      tp (stage k)  m · (4·L_k + [first] + [last]) all-reduces of b·s·h (d; the embedding's 4;
+                    a MoE block 2, its experts not tp-split;
+                    --recompute=full: + L_k, the rerun's first g; sequence parallel: + 1.5·L_k),
+                    + [last] m·3 all-reduces of b·s floats (the loss) + 1 float (the norm)
+                    (--sequence_parallel: each all-reduce a reduce-scatter + all-gather, the
+                    same bytes, + the replicated parameters' gradients once)
+      cp (stage k)  m·L_k·cp·(cp-1) hops of K, V (2·b·s·h/tp, d bytes) forward, as many
+                    backward (and as many again for --recompute=full's rerun), as many of dK,
+                    dV (4 bytes); + one all-reduce of the gradients
+                    the rank holds (Ψ_k floats, or its P_k/S under dp_shard)
+      dp_shard      (S-1)·4P_k for the all-gather of the stage's units, as much for the
+                    reduce-scatter of their gradients, + 1 float (the norm)
+      dp_replicate  one all-reduce of the gradients the rank holds, float32 (Ψ_k or P_k/S)
+      pp            2·(pp·v-1)·m activations of b·s·h floats (b·s·h/tp with sequence parallel:
+                    each tp rank sends its own positions), + 2·V/tp·h floats (the tie) + 1 float
+      ep (stage k)  m·L_k MoE layers' exchanges (axis_messages), + 1 float (the norm)
+      ep_dp         one all-reduce of the experts' gradients the rank holds, X_k = expert_params
+                    floats (and one more on dp_replicate)
+    bench/plan_3d.py uses this same function to predict the step time of a layout on a
+    cluster. Without --sequence_parallel every tp rank sends the whole activation across a
+    boundary: tp copies of the same bytes (Megatron's scatter/gather optimisation sends 1/tp
+    and all-gathers after); with it, each sends only its own positions.
+    """
+    world = world_of(mesh)
+    out = dict.fromkeys(axes(config), 0)
+    for msg in axis_messages(config, cfg, mesh, routed):
+        if stage is None or msg.stage in (None, stage):
+            groups = 1 if stage is not None else world // msg.n // (1 if msg.axis == "pp" else mesh.pp)
+            out[msg.axis] += msg.count * group_bytes(msg.op, msg.n, msg.nbytes) * groups
+    return out
+
+
+def traffic_per_rank(config, cfg, world):
+    """Bytes a rank sends per step, on average over the world."""
+    return sum(axis_bytes(config, cfg, layout(cfg, config, world, check=False)).values()) / world
+
+
+def state_per_rank(config, cfg, mesh, stage, shard_rank):
+    """Bytes of parameters, gradients and Adam's state on a rank of `stage` at dp_shard
+    coordinate shard_rank: what state_bytes() measures. Without dp_shard 16 bytes an element
+    (float32 weight, gradient, Adam's m and v). With it, fsdp.state_per_rank's rule on this
+    stage's units: each of n elements padded to P = S·⌈n/S⌉, the rank's shard of S' = P/S
+    holding R' real elements (Adam's moments only for those):
+      ZeRO-3   4S' + 4S' + 8R'     ZeRO-2   4P + 4S' + 8R'     ZeRO-1   4P + 4P + 8R'
+    plus a mixture's experts, 16 bytes an element of expert_params at every ZeRO stage."""
+    S = mesh.dp_shard
+    total = 16 * expert_params(config, getattr(cfg, "ep", 1), mesh.pp, stage) if config.n_expert else 0
+    if S == 1:
+        return total + 16 * sum(stage_params(config, mesh.tp, mesh.pp, stage))
+    for n in unit_sizes(config, mesh.tp, mesh.pp, stage):
+        size = -(-n // S)
+        real = min(max(n - shard_rank * size, 0), size)
+        total += {3: 8 * size, 2: 4 * S * size + 4 * size, 1: 8 * S * size}[cfg.zero_stage] + 8 * real
+    return total
 
 
 if __name__ == "__main__":
