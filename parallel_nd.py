@@ -321,23 +321,24 @@ def experts(stage):
 
 
 class Executor(PP.Executor):
-    """pipeline_parallel's executor, which also arms the dp buckets' gradient hooks (None:
-    none) for the last micro-batch's weight gradients only (its backward, or its W under
-    --schedule=zb): the gradients are complete then, and the all-reduce of each bucket starts
-    as soon as they have filled it (ddp.py's overlap); earlier micro-batches only accumulate."""
+    """pipeline_parallel's executor, which also arms gradient hooks (`armed`: dp_replicate's
+    buckets, dp_shard's ShardComm; each has a `sync`) for the last micro-batch's weight
+    gradients only (its backward, or its W under --schedule=zb): the gradients are complete
+    then, and each message starts as soon as its gradients are (ddp.py's overlap); earlier
+    micro-batches only accumulate."""
 
-    def __init__(self, *args, buckets=None, **kwargs):
+    def __init__(self, *args, armed=(), **kwargs):
         super().__init__(*args, **kwargs)
-        self.buckets = buckets
+        self.armed = [x for x in armed if x is not None]
 
     def backward(self, a, *args):
-        if self.buckets is not None:
-            self.buckets.sync = a.micro == self.n_micro - 1
+        for x in self.armed:
+            x.sync = a.micro == self.n_micro - 1
         super().backward(a, *args)
 
     def weight_grad(self, a, *args):
-        if self.buckets is not None:
-            self.buckets.sync = a.micro == self.n_micro - 1
+        for x in self.armed:
+            x.sync = a.micro == self.n_micro - 1
         super().weight_grad(a, *args)
 
 # -----------------------------------------------------------------------------
@@ -350,6 +351,63 @@ def gather_once(u):
         u.gather()
 
 
+class ShardComm:
+    """The dp_shard axis' messages in a step. ZeRO-3 gathers each unit at its first use in the
+    step (gather(key), the stage's hook) and keeps it to the step's end; every unit's gradient
+    is reduce-scattered once a step (reduce_scatter). overlap (--overlap): the next unit's
+    all-gather, in its chunk's order (an interleaved stage's next chunk runs after other work:
+    its weights would only be held longer), is issued as one is taken, to travel while it
+    computes; and a unit's reduce-scatter is issued as soon as its gradient is complete, the
+    last micro-batch's backward having reached each of its parameters (the Executor sets
+    `sync` for that micro-batch, as for ddp.py's buckets), then waited for in
+    reduce_gradients. `early`: the units that may go then; not those whose gradients change
+    after backward (the tied ends: the tie's sum; all under sequence parallelism: tp's sum of
+    the replicas). waits: (start, end) of each wait on the axis' messages in the step, read
+    by exposed_ms() after it (an instrument: on a GPU, reading them waits for the device)."""
+
+    def __init__(self, keyed, overlap, early, order):
+        self.units, self.overlap, self.next = dict(keyed), overlap, {}
+        for keys in order:  # per chunk, its units in the order they compute: prefetch stays inside a chunk
+            for key, after in zip(keys, keys[1:]):
+                self.next.setdefault(key, after)
+        self.sync, self.waits, self.gathering, self.reducing, self.seen = False, [], {}, {}, {}
+        for u in early if overlap else []:
+            for p in u.params:
+                p.register_post_accumulate_grad_hook(partial(self._accumulated, u))
+
+    def gather(self, key):
+        u = self.units[key]
+        self._start(u)
+        t0 = M.now(u.full[0].device)
+        for h in self.gathering.pop(u, []):
+            h.wait()
+        self.waits.append((t0, M.now(u.full[0].device)))
+        if self.overlap and key in self.next:
+            self._start(self.units[self.next[key]])  # travels while u computes
+
+    def _start(self, u):
+        if not u.full[0].untyped_storage().nbytes():
+            self.gathering[u] = u.gather(async_op=True)
+
+    def _accumulated(self, u, p):
+        if self.sync:
+            self.seen[u] = self.seen.get(u, 0) + 1
+            if self.seen[u] == len(u.params):  # u's gradient is complete: on its way now
+                self.reducing[u] = start_reduce(u)
+
+    def reduce_scatter(self, units):
+        """Every unit's gradient averaged over the shard group into this rank's gradient shard:
+        the ones on their way waited for, the rest sent now."""
+        t0 = M.now(units[0].full[0].device)
+        for u in units:
+            finish_reduce(u, self.reducing.pop(u, None) or start_reduce(u))
+        self.seen = {}
+        self.waits.append((t0, M.now(units[0].full[0].device)))
+
+    def exposed_ms(self):
+        return 1000 * sum(M.elapsed(t0, t1) for t0, t1 in self.waits)
+
+
 def zero_grad(u):
     """Before a step: ZeRO-1's full gradient zeroed and handed to autograd as the parameters'
     .grad (it accumulates into them in place); ZeRO-2/3: none, autograd allocates."""
@@ -360,19 +418,21 @@ def zero_grad(u):
             p.grad = view
 
 
-def reduce_scatter(u):
-    """The unit's full gradient (every micro-batch's, summed) averaged over the shard group
-    into this rank's gradient shard; ZeRO-2/3 then drop the full gradient. Whatever gradient
-    autograd left ends in the flat buffer: ZeRO-1's .grad replaced by another tensor (a
-    caller's zero_grad(set_to_none=True)) is added into it, not lost."""
+def start_reduce(u):
+    """Start reduce-scattering the unit's full gradient (every micro-batch's, summed). Whatever
+    gradient autograd left ends in the flat buffer: ZeRO-1's .grad replaced by another tensor
+    (a caller's zero_grad(set_to_none=True)) is added into it, not lost."""
     if u.stage == 1:
         for p, view in zip(u.params, u.views(u.full_grad)):
             if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
                 view += p.grad
-        flats = u.full_grad
-    else:
-        flats = u.flat_grads([p.grad if p.grad is not None else torch.zeros_like(p) for p in u.params])
-    FSDP.add_reduced(u.reduce_scatter(flats), replace=True)
+        return u.reduce_scatter(u.full_grad)
+    return u.reduce_scatter(u.flat_grads([p.grad if p.grad is not None else torch.zeros_like(p) for p in u.params]))
+
+
+def finish_reduce(u, reducing):
+    """The average over the shard group into the gradient shard; ZeRO-2/3 drop the full gradient."""
+    FSDP.add_reduced(reducing, replace=True)
     if u.stage > 1:
         for p in u.params:
             p.grad = None
@@ -603,7 +663,7 @@ def build_data_parallel(run, cfg, mesh, me, groups, stage):
     dp_shard: fsdp's units on this stage's tp slices, the optimizer on their shards;
     otherwise the parameters whole, with dp_replicate's buckets (ddp.py's). A mixture's
     experts stay whole (E/ep of each layer), out of the units and the buckets."""
-    dp = SimpleNamespace(units=[], buckets=None, pieces=[], zero=cfg.zero_stage if mesh.dp_shard > 1 else 0)
+    dp = SimpleNamespace(units=[], buckets=None, comm=None, pieces=[], zero=cfg.zero_stage if mesh.dp_shard > 1 else 0)
     expert_named = experts(stage)
     dp.experts = [p for _, p in expert_named]
     dp.params = [p for p in stage.parameters() if not hasattr(p, "ep_index")]
@@ -612,8 +672,13 @@ def build_data_parallel(run, cfg, mesh, me, groups, stage):
         keyed = [(key, FSDP.Unit(named, groups["dp_shard"], dp.zero, run.device, name=str(key)))
                  for key, named in stage.units()]
         dp.units = [u for _, u in keyed]
+        tied = stage.tied()
+        early = [] if cfg.sequence_parallel else [u for u in dp.units if all(p is not tied for p in u.params)]
+        order = [[k for k in ["ends"] * (c in (0, stage.n_chunks - 1)) + list(stage.chunks[c]) if k in dict(keyed)]
+                 for c in stage.chunks]  # each chunk's units in the order its forward takes them
+        dp.comm = ShardComm(keyed, cfg.overlap, early, order)
         if dp.zero == 3:
-            stage.gather = lambda key: gather_once(dict(keyed)[key])  # just in time, once a step
+            stage.gather = dp.comm.gather  # just in time, once a step
         counted = counted_once(stage, groups["tp"])
         for u in dp.units:
             u.mine = u.pieces()  # [(name, piece of the shard, parameter, start, stop)]
@@ -661,6 +726,8 @@ def train_step(dp, stage, executor, plan, rows, cfg, groups, me):
         dp.optimizer.zero_grad(set_to_none=True)
     for p in dp.experts if dp.units or dp.buckets else []:
         p.grad = None
+    if dp.comm:
+        dp.comm.waits = []
     losses = executor.run(plan, rows)
     extra = reduce_gradients(dp, stage, cfg, groups, me)
     if dp.units:
@@ -683,8 +750,7 @@ def reduce_gradients(dp, stage, cfg, groups, me):
         TP.sum_replicated_grads(dp.replicated, groups["tp"])  # tp: replicas saw only their positions
     PP.sum_tied_grads(stage, groups["pp"])  # pp: the tie, between the two ends
     if dp.units:
-        for u in dp.units:
-            reduce_scatter(u)  # dp_shard: each unit's gradient into this rank's shard
+        dp.comm.reduce_scatter(dp.units)  # dp_shard: each unit's gradient into this rank's shard
         free_units(dp)
         grads = [g for u in dp.units for g in u.grads]
         average(grads, groups["cp"])  # cp: each rank saw its positions' share of the tokens
@@ -722,7 +788,7 @@ def main(argv=None):
     b, s = cfg.batch_size // (R * S * n_micro), config.block_size // mesh.cp
     act_shape = (s // mesh.tp if cfg.sequence_parallel else s, b, config.n_embd)
     executor = Executor(stage, act_shape, n_micro, run.autocast, torch.compile(stage) if cfg.compile else None,
-                        groups["pp"], buckets=dp.buckets if cfg.overlap else None)
+                        groups["pp"], armed=[dp.buckets, dp.comm] if cfg.overlap else [])
     v = PP.virtual_stages(cfg)
     train_plan = PP.plan(cfg.schedule, mesh.pp, n_micro, me.pp, v)
     eval_plan = PP.plan(cfg.schedule, mesh.pp, n_micro, me.pp, v, train=False)
@@ -764,6 +830,7 @@ def main(argv=None):
         losses, norm = train_step(dp, stage, executor, train_plan, rows(it, "train"), cfg, groups, me)
         # ---------------------------------------------------------------- end of the training step
         state = state_bytes(dp, stage)
+        exposed = dict(exposed_shard_ms=dp.comm.exposed_ms()) if dp.comm else {}  # waited on dp_shard, this step
         if dp.units and M.checkpoint_due(cfg, it + 1):
             unshard(dp)  # the full weights and moments, for end_iter's checkpoint
         logged = moe_stats(run, stage, me, groups["ep"], cfg.dispatch) if moe else {}
@@ -771,7 +838,7 @@ def main(argv=None):
             formula["ep"] = axis_bytes(config, cfg, mesh, me.pp, logged.pop("routed"))["ep"] / ep
         M.end_iter(run, loss=torch.stack(losses).mean() if losses else 0.0, grad_norm=norm, state_bytes=state,
                    loss_ranks=last_stage, axes=groups, **{f"formula_bytes_{a}": formula[a] for a in sizes},
-                   peak_micro=executor.peak_held, act_bytes=executor.peak_bytes, **logged)
+                   peak_micro=executor.peak_held, act_bytes=executor.peak_bytes, **exposed, **logged)
         free_units(dp)
     if dp.units and cfg.save_path:
         unshard(dp)
