@@ -375,6 +375,7 @@ class ShardComm:
             for p in u.params:
                 p.register_post_accumulate_grad_hook(partial(self._accumulated, u))
 
+    @torch.compiler.disable  # under --compile: messages and a clock, run as they are between the graphs
     def gather(self, key):
         u = self.units[key]
         self._start(u)
@@ -634,8 +635,6 @@ def check_flags(cfg):
     if cfg.cp > 1 and (cfg.sequence_parallel or cfg.dropout):
         M.die("--cp > 1 needs --sequence_parallel=False and --dropout=0: the ring holds whole sequences' "
               "chunks, and its backward recomputes the attention weights without forward's masks")
-    if cfg.dp_shard > 1 and cfg.compile:
-        M.die("--compile with --dp_shard > 1: not yet (the units' weights come and go between steps)")
     cfg.dispatch = "allgather" if cfg.dispatch == "allreduce" else cfg.dispatch  # expert_parallel's old name
     if cfg.ep < 1 or (cfg.ep > 1 and not cfg.n_expert) or cfg.dispatch not in EP.DISPATCH:
         M.die(f"--ep={cfg.ep} must be at least 1, and more than 1 only with --n_expert (a mixture of experts); "
