@@ -224,6 +224,11 @@ class Gathers:
         self.ahead.append((u, u.gather(async_op=True)))
 
 
+def leaf(t):
+    """A new autograd leaf on the same memory: backward stops there and returns its gradient."""
+    return t.detach().requires_grad_()
+
+
 # -----------------------------------------------------------------------------
 # ZeRO-3: a unit's full weights exist only while it computes
 
@@ -338,11 +343,6 @@ def embedding_backward(g, idx, gh):
     gh = gh.float()  # the residual stream's gradient: fp32 under autocast too
     g["wte.weight"] += torch.zeros_like(g["wte.weight"]).index_add_(0, idx.view(-1), gh.view(-1, gh.size(-1)))
     g["wpe.weight"][:idx.size(1)] += gh.sum(0)
-
-
-def leaf(t):
-    """A new autograd leaf on the same memory: backward stops there and returns its gradient."""
-    return t.detach().requires_grad_()
 
 
 # -----------------------------------------------------------------------------
