@@ -27,7 +27,6 @@ in bf16 (what autocast computes with), its norms and the ends in fp32; gradients
 Bytes sent and kept: traffic_per_rank(), state_per_rank(). Checkpoints: every rank writes its
 shards as ("flat", start, stop) pieces of the global parameters, so any strategy can load them.
 """
-import weakref
 from collections import deque
 from dataclasses import dataclass
 from functools import partial
@@ -49,9 +48,185 @@ class Sharded:
     stage: int          # --zero_stage: 3 shards the weights too; 1 and 2 keep them whole
     prefetch: int       # ZeRO-3: how many units' all-gathers run ahead of the unit computing
     autocast: object    # the run's autocast context (bf16), or a null one
-    live: "LiveUnits"   # an instrument: how many units' full weights exist at once (after main())
+    live: "LiveUnits"   # an instrument: which units' full weights exist now, the most at once (after main())
     recompute: str = "none"  # --recompute: what a block keeps for backward (below, and model.recompute_block)
     count_saved: bool = True  # count what autograd keeps (act_bytes); off under --compile
+
+
+# -----------------------------------------------------------------------------
+# the unit: a module's parameters as views into flat buffers, split N ways
+
+
+def gather_dtype(name, low):
+    """The one place that says what a unit's full copy of a parameter is: what autocast computes
+    with. A block's linear weights and biases in `low` (bf16 in a bf16 run: half the bytes sent,
+    the very rounding autocast does); LayerNorm and the ends in fp32, since autocast keeps
+    LayerNorm and the embedding lookup in fp32 (the head casts the tied matrix as autocast does).
+    Gathering everything in bf16, as PyTorch FSDP's MixedPrecision(param_dtype=bf16) does, sends
+    fewer bytes but runs the norms and the embedding on rounded weights: a slightly other model."""
+    return low if name.startswith(("attn.", "mlp.")) else torch.float32
+
+
+class Unit:
+    """One unit on this rank. Its parameters (`named`: a module's) lie end to end in one flat
+    buffer per gather dtype (a part: one in fp32 runs; a bf16 block has its linear layers and
+    its LayerNorms), padded to a multiple of the group's N ranks, and the parameters become
+    views into those buffers: the module computes on whatever the buffers hold. Rank r keeps
+    slice r of each part in fp32, its shard (the master weights the optimizer updates), and
+    their gradient. ZeRO-3 holds the full buffers only from gather() to free(): freeing
+    shrinks their storage to nothing, views and all, even where autograd's graph still refers
+    to them, and gathering fills the same storage again, so the graph finds its weights back in
+    backward (PyTorch's FSDP frees the same way). ZeRO-1/2 keep them, a fp32 shard being this
+    rank's slice of them, no copy; ZeRO-1 keeps the full fp32 gradient too, the gradient shard
+    its slice. live: an instrument told of each gather and free (LiveUnits), or None."""
+
+    def __init__(self, named, group, stage, device, low=torch.float32, name="", live=None):
+        self.group, self.stage, self.name, self.live = group, stage, name, live
+        self.rank, self.world = C.get_rank(group), C.get_world_size(group)
+        self.names, self.params = [n for n, _ in named], [p for _, p in named]
+        by_dtype = {}
+        for i, n in enumerate(self.names):
+            by_dtype.setdefault(gather_dtype(n, low), []).append(i)
+        self.parts, self.full, self.shards, self.grads, self.full_grad = [], [], [], [], []
+        for dtype, idx in by_dtype.items():  # (dtype, the parameters' indices, their offsets, shard size)
+            offsets = [sum(self.params[j].numel() for j in idx[:k]) for k in range(len(idx))]
+            size = -(-(offsets[-1] + self.params[idx[-1]].numel()) // self.world)
+            flat = torch.zeros(size * self.world, device=device)
+            for i, o in zip(idx, offsets):
+                flat[o:o + self.params[i].numel()] = self.params[i].detach().reshape(-1)
+            full = flat.to(dtype)  # fp32: the same tensor
+            self.parts.append((dtype, idx, offsets, size))
+            mine = slice(self.rank * size, (self.rank + 1) * size)
+            self.shards.append(full[mine] if stage < 3 and dtype == torch.float32 else flat[mine].clone())
+            self.full_grad += [torch.zeros(size * self.world, device=device)] if stage == 1 else []
+            self.grads.append(self.full_grad[-1][mine] if stage == 1 else torch.zeros(size, device=device))
+            self.full.append(full)
+        for p, view in zip(self.params, self.views(self.full)):
+            p.data = view  # the module now computes on the full buffers
+        if stage == 3:
+            self.free()
+
+    def views(self, flats):
+        """Each parameter's view into buffers laid out as the full weights (one a part)."""
+        out = [None] * len(self.params)
+        for (_, idx, offsets, _), flat in zip(self.parts, flats):
+            for i, o in zip(idx, offsets):
+                out[i] = flat[o:o + self.params[i].numel()].view_as(self.params[i])
+        return out
+
+    def gather(self, async_op=False):
+        """All-gather the shards into the full buffers (ZeRO-3: their memory given back first),
+        each sent in its part's dtype (a bf16 part is cast before it is sent: half the bytes).
+        -> the handles"""
+        handles = []
+        with M.span(f"all_gather {self.name}", comm=True):
+            for full, shard in zip(self.full, self.shards):
+                if not full.untyped_storage().nbytes():  # (resizing held memory would move it)
+                    full.untyped_storage().resize_(full.numel() * full.element_size())
+                handles.append(C.all_gather(full, shard.to(full.dtype), group=self.group, async_op=async_op))
+        if self.live is not None:
+            self.live.gathered(self)
+        return handles
+
+    def free(self):
+        if self.live is not None:
+            self.live.freed(self)
+        for full in self.full:
+            full.untyped_storage().resize_(0)
+
+    def flat_grads(self, grads):
+        """The full gradient, one flat fp32 buffer a part (the padding's gradient 0), from the
+        parameters' gradients in order (a bf16 part's are summed over ranks in fp32)."""
+        out = []
+        for _, idx, offsets, size in self.parts:
+            pad = size * self.world - offsets[-1] - self.params[idx[-1]].numel()
+            out.append(torch.cat([grads[i].reshape(-1) for i in idx] + [grads[idx[0]].new_zeros(pad)]).float())
+        return out
+
+    def reduce_scatter(self, flats):
+        """Start reduce-scattering the full gradient (flat_grads) into this rank's gradient
+        shard: avg, the sum over ranks / N, the mean over the global batch. -> what
+        add_reduced() needs to finish it."""
+        pending = []
+        for g in flats:
+            out = torch.empty(g.numel() // self.world, device=g.device)
+            with M.span(f"reduce_scatter {self.name}", comm=True):
+                pending.append((out, g, C.reduce_scatter(out, g, op="avg", group=self.group, async_op=True)))
+        return self, pending
+
+    def pieces(self):
+        """[(name, view, parameter, start, stop)] for the piece of each parameter in this rank's
+        shards: parameter.view(-1)[start:stop]. The optimizer updates the shard in place
+        through these views and reads the gradient shard through their .grad. nanoGPT's decay
+        rule (model.decays) looks at the shape, so a piece of a matrix is a one-row matrix."""
+        out = []
+        for (_, idx, offsets, size), shard, grad in zip(self.parts, self.shards, self.grads):
+            start = self.rank * size
+            for i, o in zip(idx, offsets):
+                p = self.params[i]
+                lo, hi = max(o, start), min(o + p.numel(), start + size)
+                if lo >= hi:
+                    continue  # this parameter lies in other ranks' shards
+                piece, g = shard[lo - start:hi - start], grad[lo - start:hi - start]
+                if p.dim() >= 2:
+                    piece, g = piece.view(1, -1), g.view(1, -1)
+                piece.grad = g
+                out.append((self.names[i], piece, p, lo - o, hi - o))
+        self.held = [(piece, piece.grad) for _, piece, *_ in out]
+        return out
+
+
+def add_reduced(reducing, replace=False):
+    """Wait for a reduce-scatter from Unit.reduce_scatter and add it into the gradient shard
+    (the sum over micro-steps, in fp32). replace: ZeRO-1's gradient shard is the slice of the
+    full gradient it was reduced from, so the sum over ranks replaces it. The optimizer's
+    pieces are pointed at the shard again: a caller's zero_grad(set_to_none=True) must not
+    leave a piece without the gradient this rank reduced."""
+    if reducing is None:
+        return
+    u, pending = reducing
+    for (out, _, handle), grad in zip(pending, u.grads):  # the full gradient is freed only once sent
+        handle.wait()
+        grad.copy_(out) if replace else grad.add_(out)
+    for piece, g in getattr(u, "held", []):
+        piece.grad = g
+
+
+class Gathers:
+    """The all-gathers of one pass over the units, issued in `schedule`, the order in which
+    the units will compute, and at most `prefetch` ahead of the unit computing.
+    take(u): u's full weights, its all-gather done (issued now if it was not ahead).
+    prefetch(): issue the next units' all-gathers, to travel while u computes.
+    free(u): u's weights go, unless its next all-gather is already issued (the last block's,
+    for backward, while its forward computes): the memory stays, written with the same weights."""
+
+    def __init__(self, schedule, prefetch):
+        self.todo, self.ahead, self.n = deque(schedule), deque(), prefetch  # not issued yet; issued, not taken
+
+    def take(self, u):
+        if not self.ahead:
+            self._issue()
+        unit, handles = self.ahead.popleft()
+        assert unit is u, "units taken out of schedule order"  # every rank must gather in one order
+        for h in handles:
+            h.wait()
+
+    def prefetch(self):
+        while len(self.ahead) < self.n and self.todo:
+            self._issue()
+
+    def free(self, u):
+        if all(unit is not u for unit, _ in self.ahead):
+            u.free()
+
+    def _issue(self):
+        u = self.todo.popleft()
+        self.ahead.append((u, u.gather(async_op=True)))
+
+
+def leaf(t):
+    """A new autograd leaf on the same memory: backward stops there and returns its gradient."""
+    return t.detach().requires_grad_()
 
 
 # -----------------------------------------------------------------------------
@@ -59,94 +234,81 @@ class Sharded:
 
 
 # --recompute under ZeRO-3. A block's full weights live only while it computes: after its
-# forward they are freed, and backward gathers them again. What autograd keeps of the
-# activations between the two is another matter, the one --recompute decides, as in every
-# strategy (PyTorch's FSDP is the same: weights re-gathered, activations kept unless
+# forward they are freed, and backward gathers them again into the same memory. What autograd
+# keeps of the activations between the two is another matter, the one --recompute decides, as
+# in every strategy (PyTorch's FSDP is the same: weights re-gathered, activations kept unless
 # activation checkpointing is applied):
 #   none, gelu  forward builds the block's graph on the gathered weights, which are then
-#               freed under it (their memory shrunk to nothing, as free() does); backward
-#               gathers them again into that memory, and runs the kept graph
+#               freed under it; backward gathers them again, and runs the kept graph
 #   full        forward runs without autograd and keeps each block's input (b·s·h numbers);
 #               backward recomputes the block from it on the re-gathered weights: one more
-#               forward, and the least memory; this was ZeRO-3's only way before the flag
+#               forward, and the least memory
 
 
-def zero3_forward(net, idx, gathers, kept=None, skip=None):
+def zero3_forward(net, idx, gathers, kept=None):
     """The embedding and the blocks, each on its just-gathered weights, freed as soon as it is
-    done. kept: None (validation: no autograd) or a list that gets, per block, (input, output,
-    weights): the graph from input to output on weights since freed, or under --recompute=full
-    (input, None, None). skip: the counter's set of weight storages (saved by reference: not
-    activations), grown and shrunk as weights are gathered and freed."""
+    done. kept: None (validation: no autograd) or a list that gets, per block, (input, output):
+    the graph from input to output on weights since freed, or under --recompute=full
+    (input, None)."""
     ends = net.units[0]
-    full = gathers.take(ends)
+    gathers.take(ends)
     gathers.prefetch()  # the next units' all-gathers travel while the embedding computes
     with torch.no_grad():
-        h = ends.run(full, idx)
-    free(full)
+        h = ends.run(idx)
+    gathers.free(ends)
     for k, u in enumerate(net.units[1:]):
-        full = gathers.take(u)
+        gathers.take(u)
         gathers.prefetch()
         with M.span(f"forward block {k}"):
             if kept is None or net.recompute == "full":
                 if kept is not None:
-                    kept.append((h, None, None))
+                    kept.append((h, None))
                 with torch.no_grad():
-                    h = u.run(full, h)
+                    h = u.run(h)
             else:
-                h_in, w = leaf(h), [leaf(t) for t in full]
-                ptrs = {t.untyped_storage().data_ptr() for t in full}
-                skip.update(ptrs)
-                out = M.recompute_block(partial(u.run, w), h_in, net.recompute)
-                skip.difference_update(ptrs)
-                kept.append((h_in, out, w))
+                h_in = leaf(h)
+                out = M.recompute_block(u.run, h_in, net.recompute)
+                kept.append((h_in, out))
                 h = out.detach()
-        free(full)
+        gathers.free(u)
     return h
 
 
 def zero3_micro_step(net, x, y, scale):
     """One micro-batch forward and backward; every unit's gradient ends up reduce-scattered
     into its gradient shard. scale: 1/grad_accum, so the shards sum to the mean.
-    -> (the loss, the bytes kept for backward at the head's backward, the peak)"""
+    -> (the loss, the bytes kept for backward at the head's backward)"""
     ends, blocks = net.units[0], net.units[1:]
-    gathers = Gathers([ends, *blocks, ends, *reversed(blocks)], net)  # the order the units compute in
-    kept, skip = [], set()
-    counting, saved = M.saved_bytes([], skip, on=net.count_saved)
+    gathers = Gathers([ends, *blocks, ends, *reversed(blocks)], net.prefetch)  # the order the units compute in
+    kept = []
+    counting, saved = M.saved_bytes([], net.live.weights, on=net.count_saved)  # gathered weights: not activations
     with net.autocast, counting:
-        h = leaf(zero3_forward(net, x, gathers, kept, skip))
-        # the head: forward and backward at once, on one gather of the ends
-        full = [leaf(t) for t in gathers.take(ends)]
+        h = leaf(zero3_forward(net, x, gathers, kept))
+        gathers.take(ends)  # the head: forward and backward at once, on one gather of the ends
         gathers.prefetch()
-        skip.update(t.untyped_storage().data_ptr() for t in full)
-        loss = ends.run(full, h, y)
-    for h_in, out, _ in kept:
+        loss = ends.run(h, y)
+    for h_in, out in kept:
         if out is None:  # full: the inputs are kept by hand, not by autograd, and counted as the same
             saved[h_in.untyped_storage().data_ptr()] = h_in.untyped_storage().nbytes()
-    act = sum(saved.values())
-    gh, *g_ends = torch.autograd.grad(loss * scale, [h, *full])
-    free(full)
+    gh, *g_ends = torch.autograd.grad(loss * scale, [h, *ends.params], allow_unused=True, materialize_grads=True)
+    gathers.free(ends)
     reducing = None
-    for k, u, (h_in, out, w) in zip(reversed(range(len(blocks))), reversed(blocks), reversed(kept)):
-        full = [leaf(t) for t in gathers.take(u)]
-        if w is not None:  # the kept graph: its weights' memory, freed after forward, filled again
-            refill(w, full)
-            free(full)
-            full = w
-            net.live.allocated(w)
+    for k, u, (h_in, out) in zip(reversed(range(len(blocks))), reversed(blocks), reversed(kept)):
+        gathers.take(u)  # the weights come back: into the memory the kept graph refers to
         gathers.prefetch()  # the next blocks' all-gathers travel while this one computes
         with M.span(f"backward block {k}"):
-            if out is None:  # full: recompute, with autograd this time
+            if out is None:  # full: rerun the block, with autograd this time
                 h_in = leaf(h_in)
                 with net.autocast:
-                    out = u.run(full, h_in)
-            gh, *g = torch.autograd.grad(out, [h_in, *full], gh)
-        free(full)
+                    out = u.run(h_in)
+            gh, *g = torch.autograd.grad(out, [h_in, *u.params], gh)
+        gathers.free(u)  # the weights go
         add_reduced(reducing)  # the previous block's reduce-scatter, done while this one computed
-        reducing = reduce_scatter_grad(u, g, net.group)
-    embedding_backward(ends.layout.views(g_ends), x, gh)
+        reducing = u.reduce_scatter(u.flat_grads(g))  # its gradient is complete: on its way now
+    embedding_backward(dict(zip(ends.names, g_ends)), x, gh)
     add_reduced(reducing)
-    add_reduced(reduce_scatter_grad(ends, g_ends, net.group))  # the tied matrix: head and embedding, reduced once
-    return loss.detach(), act
+    add_reduced(ends.reduce_scatter(ends.flat_grads(g_ends)))  # the tied matrix: head and embedding, reduced once
+    return loss.detach(), sum(saved.values())
 
 
 def zero3_step(net, run, it):
@@ -164,12 +326,12 @@ def zero3_step(net, run, it):
 def zero3_loss(net, x, y):
     """The loss of a batch without gradients (validation): gathers in forward only."""
     ends = net.units[0]
-    gathers = Gathers([*net.units, ends], net)
+    gathers = Gathers([*net.units, ends], net.prefetch)
     with net.autocast:
         h = zero3_forward(net, x, gathers)
-        full = gathers.take(ends)
-        loss = ends.run(full, h, y)
-    free(full)
+        gathers.take(ends)
+        loss = ends.run(h, y)
+    gathers.free(ends)
     return loss
 
 
@@ -181,88 +343,6 @@ def embedding_backward(g, idx, gh):
     gh = gh.float()  # the residual stream's gradient: fp32 under autocast too
     g["wte.weight"] += torch.zeros_like(g["wte.weight"]).index_add_(0, idx.view(-1), gh.view(-1, gh.size(-1)))
     g["wpe.weight"][:idx.size(1)] += gh.sum(0)
-
-
-# -----------------------------------------------------------------------------
-# ZeRO-3's communication: gather a unit, free it, reduce-scatter its gradient
-
-
-def leaf(t):
-    """A new autograd leaf on the same memory: backward stops there and returns its gradient."""
-    return t.detach().requires_grad_()
-
-
-def refill(w, full):
-    """Copy just-gathered weights `full` into the memory of `w`, the tensors a kept graph saved
-    and free() emptied: storage to storage, which autograd's version counters do not see (an
-    in-place write to w would be refused in backward as a change to a saved tensor)."""
-    for t, src in zip(w, full):
-        t.untyped_storage().resize_(src.untyped_storage().nbytes())
-        t.untyped_storage().copy_(src.untyped_storage())
-
-
-def free(full):
-    """A unit's full weights go now: the memory is released even where a reference to the
-    tensor remains (autograd's graph, the communication thread's last job), as PyTorch's
-    FSDP frees it, by shrinking the storage to nothing."""
-    for t in full:
-        t.untyped_storage().resize_(0)
-
-
-class Gathers:
-    """The all-gathers of one pass over the units, issued in `schedule`, the order in which
-    the units will compute, and at most net.prefetch ahead of the unit computing.
-    take(u): u's full weights, its all-gather done (issued now if it was not ahead).
-    prefetch(): issue the next units' all-gathers, to travel while u computes."""
-
-    def __init__(self, schedule, net):
-        self.todo, self.ahead = deque(schedule), deque()  # not issued yet; issued, not yet taken
-        self.net = net
-
-    def take(self, u):
-        if not self.ahead:
-            self._issue()
-        unit, full, handles = self.ahead.popleft()
-        assert unit is u, "units taken out of schedule order"  # every rank must gather in one order
-        for h in handles:
-            h.wait()
-        return full
-
-    def prefetch(self):
-        while len(self.ahead) < self.net.prefetch and self.todo:
-            self._issue()
-
-    def _issue(self):
-        u = self.todo.popleft()
-        full = u.empty_full()
-        self.net.live.allocated(full)
-        with M.span(f"all_gather {u.name}", comm=True):
-            self.ahead.append((u, full, u.all_gather(full, self.net.group, async_op=True)))
-
-
-def reduce_scatter_grad(u, grads, group):
-    """Start reduce-scattering unit u's full gradient (one buffer a part) into this rank's
-    gradient shard, in fp32: avg, the sum over ranks / N, so the gradient is the mean over
-    the global batch. -> what add_reduced() needs to finish it."""
-    pending = []
-    for g in grads:
-        g = g.float()  # a bf16 part's gradient is summed over ranks in fp32
-        out = torch.empty(g.numel() // C.get_world_size(group), device=g.device)
-        with M.span(f"reduce_scatter {u.name}", comm=True):
-            pending.append((out, g, C.reduce_scatter(out, g, op="avg", group=group, async_op=True)))
-    return u, pending
-
-
-def add_reduced(reducing, replace=False):
-    """Wait for a reduce-scatter from reduce_scatter_grad and add it into the gradient shard
-    (the sum over micro-steps, in fp32). replace: ZeRO-1's gradient shard is the slice of the
-    full gradient it was reduced from, so the sum over ranks replaces it."""
-    if reducing is None:
-        return
-    u, pending = reducing
-    for (out, _, handle), grad in zip(pending, u.grads):  # the full gradient is freed only once sent
-        handle.wait()
-        grad.copy_(out) if replace else grad.add_(out)
 
 
 # -----------------------------------------------------------------------------
@@ -279,34 +359,36 @@ def zero12_micro_step(net, x, y, scale):
     counting, kept = M.saved_bytes([t for u in net.units for t in u.full], on=net.count_saved)
     with net.autocast, counting:
         with torch.no_grad():
-            h = ends.run(ends.full, x)
+            h = ends.run(x)
         for k, u in enumerate(blocks):
-            h_in, w = leaf(h), [leaf(t) for t in u.full]
+            h_in = leaf(h)
             with M.span(f"forward block {k}"):
-                out = M.recompute_block(partial(u.run, w), h_in, net.recompute)
-            saved.append((h_in, w, out))
+                out = M.recompute_block(u.run, h_in, net.recompute)
+            saved.append((h_in, out))
             h = out.detach()
-        h, w_ends = leaf(h), [leaf(t) for t in ends.full]
-        loss = ends.run(w_ends, h, y)
-    gh, *g_ends = torch.autograd.grad(loss * scale, [h, *w_ends])
+        h = leaf(h)
+        loss = ends.run(h, y)
+    gh, *g_ends = torch.autograd.grad(loss * scale, [h, *ends.params], allow_unused=True, materialize_grads=True)
     reducing = None
-    for k, u, (h_in, w, out) in zip(reversed(range(len(blocks))), reversed(blocks), reversed(saved)):
+    for k, u, (h_in, out) in zip(reversed(range(len(blocks))), reversed(blocks), reversed(saved)):
         with M.span(f"backward block {k}"):
-            gh, *g = torch.autograd.grad(out, [h_in, *w], gh)
-        if net.stage == 1:
-            for full_grad, gi in zip(u.full_grad, g):
-                full_grad += gi  # in fp32
-        else:
-            add_reduced(reducing)
-            reducing = reduce_scatter_grad(u, g, net.group)  # travels while the next block's backward computes
-    embedding_backward(ends.layout.views(g_ends), x, gh)
-    if net.stage == 1:
-        for full_grad, gi in zip(ends.full_grad, g_ends):
-            full_grad += gi
-    else:
-        add_reduced(reducing)
-        add_reduced(reduce_scatter_grad(ends, g_ends, net.group))
+            gh, *g = torch.autograd.grad(out, [h_in, *u.params], gh)
+        reducing = accumulate(net, u, g, reducing)
+    embedding_backward(dict(zip(ends.names, g_ends)), x, gh)
+    add_reduced(accumulate(net, ends, g_ends, reducing))
     return loss.detach(), sum(kept.values())
+
+
+def accumulate(net, u, grads, reducing):
+    """ZeRO-1: u's gradient added to its full fp32 gradient (reduce-scattered once a step).
+    ZeRO-2: the previous unit's reduce-scatter finished, u's started: it travels while the
+    next block's backward computes. -> what is in flight"""
+    if net.stage == 1:
+        for full_grad, g in zip(u.full_grad, u.flat_grads(grads)):
+            full_grad += g  # in fp32
+        return None
+    add_reduced(reducing)
+    return u.reduce_scatter(u.flat_grads(grads))
 
 
 def zero12_step(net, run, it):
@@ -324,7 +406,7 @@ def zero12_step(net, run, it):
         reducing = None
         for u in net.units:
             add_reduced(reducing, replace=True)
-            reducing = reduce_scatter_grad(u, u.full_grad, net.group)
+            reducing = u.reduce_scatter(u.full_grad)
         add_reduced(reducing, replace=True)
     return loss, act
 
@@ -334,10 +416,10 @@ def zero12_loss(net, x, y):
     """The loss of a batch without gradients (validation), on the kept full weights."""
     ends = net.units[0]
     with net.autocast:
-        h = ends.run(ends.full, x)
+        h = ends.run(x)
         for u in net.units[1:]:
-            h = u.run(u.full, h)
-        return ends.run(ends.full, h, y)
+            h = u.run(h)
+        return ends.run(h, y)
 
 
 def gather_full_weights(net):
@@ -345,53 +427,11 @@ def gather_full_weights(net):
     optimizer step, and once at the start, from the initial or the loaded shards). A fp32
     shard is already its slice of the full weights: the gather fills in the other ranks'."""
     for u in net.units:
-        u.all_gather(u.full, net.group)
+        u.gather()
 
 
 # -----------------------------------------------------------------------------
-# units: the model's pieces as flat buffers, split N ways
-
-
-def gather_dtype(name, low):
-    """The one place that says what a unit's full copy of a parameter is: what autocast computes
-    with. A block's linear weights and biases in `low` (bf16 in a bf16 run: half the bytes sent,
-    the very rounding autocast does); LayerNorm and the ends in fp32, since autocast keeps
-    LayerNorm and the embedding lookup in fp32 (the head casts the tied matrix as autocast does).
-    Gathering everything in bf16, as PyTorch FSDP's MixedPrecision(param_dtype=bf16) does, sends
-    fewer bytes but runs the norms and the embedding on rounded weights: a slightly other model."""
-    return low if name.startswith(("attn.", "mlp.")) else torch.float32
-
-
-class Layout:
-    """Where a unit's parameters lie: one flat buffer per gather dtype (a part: one in fp32
-    runs; a bf16 block has its linear layers and its LayerNorms), each padded to a multiple of
-    the group's size N so that it splits into N equal shards. Every block has the same layout."""
-
-    def __init__(self, module, low, world):
-        by_dtype = {}
-        for name, p in module.named_parameters():
-            by_dtype.setdefault(gather_dtype(name, low), []).append((name, p.numel(), tuple(p.shape)))
-        self.parts = []  # (dtype, numel, shard_size, [(name, offset, numel, shape)])
-        for dtype, params in by_dtype.items():
-            offsets = [0]
-            for _, n, _ in params:
-                offsets.append(offsets[-1] + n)
-            self.parts.append((dtype, offsets[-1], -(-offsets[-1] // world),
-                               [(name, o, n, shape) for (name, n, shape), o in zip(params, offsets)]))
-
-    def flatten(self, module, world):
-        """The module's parameters in this layout: one padded fp32 buffer a part."""
-        params, flats = dict(module.named_parameters()), []
-        for _, _, shard_size, names in self.parts:
-            flats.append(torch.zeros(shard_size * world))
-            for name, o, n, _ in names:
-                flats[-1][o:o + n] = params[name].detach().reshape(-1)
-        return flats
-
-    def views(self, flats):
-        """name -> that parameter's view into the unit's full flat buffers (weights or gradients)."""
-        return {name: flat[o:o + n].view(shape)
-                for (_, _, _, names), flat in zip(self.parts, flats) for name, o, n, shape in names}
+# the model as units
 
 
 class Ends(nn.Module):
@@ -408,86 +448,26 @@ class Ends(nn.Module):
         return M.head(self.ln_f, self.wte.weight, x, targets)[1]
 
 
-def functional(module, layout):
-    """module's forward (model.Block, or the Ends) as a function of a unit's full flat buffers:
-    functional_call runs the module with views of them as its parameters. The weights are the
-    plain function's arguments, never swapped into a compiled module (which dynamo, in torch
-    < 2.5, would not see), so one compiled function serves every block."""
-    def run(full, *args):
-        return torch.func.functional_call(module, layout.views(full), args)
-    return run
-
-
-class Unit:
-    """One unit on this rank. shards: its piece of each part in fp32, the master weights the
-    optimizer updates; grads: their gradient. ZeRO-1/2 also keep `full`, the whole weights in
-    each part's gather dtype, and there a fp32 shard is the rank's slice of them, not a copy;
-    ZeRO-1 keeps `full_grad`, the whole fp32 gradient, and the gradient shard is its slice.
-    run(full, ...): the unit's module on full weights."""
-
-    def __init__(self, module, prefix, layout, group, device, stage):
-        rank, self.world = C.get_rank(group), C.get_world_size(group)
-        self.prefix, self.layout = prefix, layout
-        self.name = prefix[len("transformer."):].rstrip(".") or "ends"  # the trace's: "h.3", or the ends
-        self.starts = [rank * size for _, _, size, _ in layout.parts]  # where this rank's shard begins in each part
-        flats = layout.flatten(module, self.world)
-        self.full = [f.to(device, dtype) for f, (dtype, *_) in zip(flats, layout.parts)] if stage < 3 else []
-        self.shards, self.grads, self.full_grad = [], [], []
-        for i, ((dtype, _, size, _), start) in enumerate(zip(layout.parts, self.starts)):
-            keep = stage < 3 and dtype == torch.float32
-            self.shards.append(self.full[i][start:start + size] if keep else flats[i][start:start + size].clone().to(device))
-            if stage == 1:
-                self.full_grad.append(torch.zeros(size * self.world, device=device))
-            self.grads.append(self.full_grad[i][start:start + size] if stage == 1 else torch.zeros(size, device=device))
-
-    def empty_full(self):
-        return [torch.empty(size * self.world, dtype=dtype, device=s.device)
-                for (dtype, _, size, _), s in zip(self.layout.parts, self.shards)]
-
-    def all_gather(self, full, group, async_op=False):
-        """All-gather the shards into `full`, one buffer a part, each sent in its part's dtype (a
-        bf16 part is cast before it is sent: half the bytes). -> the handles"""
-        return [C.all_gather(buf, shard.to(buf.dtype), group=group, async_op=async_op)
-                for buf, shard in zip(full, self.shards)]
-
-    def optimizer_params(self):
-        """[(GPT's parameter name, view, ("flat", start, stop))] for the piece of each parameter
-        in this rank's shards: global.view(-1)[start:stop]. The optimizer updates the shard in
-        place through these views and reads the gradient shard through their .grad. nanoGPT's
-        decay rule (model.decays) looks at the shape, so a piece of a matrix is a one-row matrix."""
-        out = []
-        for (_, _, size, names), start, shard, grad in zip(self.layout.parts, self.starts, self.shards, self.grads):
-            for name, o, n, shape in names:
-                lo, hi = max(o, start), min(o + n, start + size)
-                if lo >= hi:
-                    continue  # this parameter lies in other ranks' shards
-                p, g = shard[lo - start:hi - start], grad[lo - start:hi - start]
-                if len(shape) >= 2:
-                    p, g = p.view(1, -1), g.view(1, -1)
-                p.grad = g
-                out.append((self.prefix + name, p, ("flat", lo - o, hi - o)))
-        return out
-
-
-def build_units(config, cfg, group, device):
-    """The ends and the blocks, one at a time from model.py's seeded init; only the shards stay
-    (and in ZeRO-1/2 the full weights). Every block shares one layout and one function."""
+def build_units(config, cfg, group, device, live):
+    """The ends and the blocks, one at a time from model.py's seeded init, each a Unit whose
+    module computes on its views. --compile: one compiled function runs every block (dynamo
+    lifts a module's parameters to inputs, so the blocks share its graph)."""
     low = torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32
+    # dynamic=False: the shapes never change, but the ends and the blocks share run's code,
+    # and dynamo would take their different shapes for dynamic ones (symbolic graphs, slower to build)
+    call = torch.compile(lambda module, *args: module(*args), dynamic=False) if cfg.compile else None
     units = []
     for i in range(-1, config.n_layer):
         if i < 0:
             module = Ends(M.build_unit(config, "embed", cfg.seed), M.build_unit(config, "ln_f", cfg.seed))
         else:
             module = M.build_unit(config, i, cfg.seed)
-        layout = Layout(module, low, C.get_world_size(group)) if i <= 0 else layout
-        units.append(Unit(module, "transformer." + (f"h.{i}." if i >= 0 else ""), layout, group, device,
-                          cfg.zero_stage))
-        if i <= 0:  # the ends' function, and the one every block runs (the module kept without its weights)
-            run = functional(module.to("meta").eval(), layout)
-            # dynamic=False: the shapes never change, but the ends and the blocks share run's code,
-            # and dynamo would take their different shapes for dynamic ones (symbolic graphs, slower to build)
-            run = torch.compile(run, dynamic=False) if cfg.compile else run
-        units[-1].run = run
+        module = module.to(device).eval()
+        u = Unit(list(module.named_parameters()), group, cfg.zero_stage, device, low, f"h.{i}" if i >= 0 else "ends",
+                 live)
+        u.prefix = "transformer." + (f"h.{i}." if i >= 0 else "")
+        u.run = partial(call, module) if call else module
+        units.append(u)
     return units
 
 
@@ -518,10 +498,12 @@ def main(argv=None):
     group = None  # the whole world; parallel_nd.py runs the same pieces on a sub-group
     stage = cfg.zero_stage
 
-    net = Sharded(build_units(config, cfg, group, device), group, stage, cfg.prefetch, run.autocast, LiveUnits(),
+    live = LiveUnits()
+    net = Sharded(build_units(config, cfg, group, device, live), group, stage, cfg.prefetch, run.autocast, live,
                   cfg.recompute, not cfg.compile)
     units = net.units
-    pieces = [piece for u in units for piece in u.optimizer_params()]
+    # the optimizer's pieces: each a ("flat", start, stop) piece of a global parameter
+    pieces = [(u.prefix + name, p, ("flat", lo, hi)) for u in units for name, p, _, lo, hi in u.pieces()]
     optimizer = M.make_optimizer([(name, p) for name, p, _ in pieces], cfg, device)
     # a checkpoint holds every rank's shards: each is a ("flat", start, stop) piece of a global parameter
     M.restore(run, [(name, p, index, True) for name, p, index in pieces], optimizer)
@@ -530,7 +512,7 @@ def main(argv=None):
             gather_full_weights(net)  # from the shards, loaded ones included
     if rank == 0:
         n_params = M.param_count(config)
-        shard = sum(size for u in units for _, _, size, _ in u.layout.parts)
+        shard = sum(size for u in units for *_, size in u.parts)
         print(f"fsdp: {world} rank{'s' * (world > 1)}, ZeRO-{stage}, prefetch {cfg.prefetch}, {n_params / 1e6:.2f}M parameters "
               f"in {len(units)} units, {shard / 1e6:.2f}M per rank ({shard * world - n_params} padding), "
               f"{cfg.batch_size // (world * cfg.grad_accum)} x {config.block_size} tokens per rank per micro-step")
@@ -570,21 +552,22 @@ def main(argv=None):
 
 
 class LiveUnits:
-    """How many units' full weights exist right now, and the most at once. Counted from the
-    buffers themselves, at each allocation (the only moment the count can rise): a unit is
-    alive while any of its buffers still holds memory, whoever refers to it."""
+    """Which units' full weights hold memory now, and the most at once: told by each unit's
+    gather and free. weights: their storages, which saved_bytes leaves out (autograd keeps
+    weights by reference: they are no activations)."""
 
     def __init__(self):
-        self.alive, self.peak = [], 0  # per gathered unit, weak references to its buffers
+        self.units, self.weights, self.peak = set(), set(), 0
 
-    def allocated(self, buffers):
-        self.alive = [refs for refs in self.alive if any(self._holds_memory(r()) for r in refs)]
-        self.alive.append([weakref.ref(b) for b in buffers])
-        self.peak = max(self.peak, len(self.alive))
+    def gathered(self, u):
+        self.units.add(u)
+        self.weights.update(t.untyped_storage().data_ptr() for t in u.full)
+        self.peak = max(self.peak, len(self.units))
 
-    @staticmethod
-    def _holds_memory(t):
-        return t is not None and t.untyped_storage().nbytes() > 0
+    def freed(self, u):
+        if u in self.units:
+            self.units.discard(u)
+            self.weights.difference_update(t.untyped_storage().data_ptr() for t in u.full)
 
 
 def state_bytes(units, optimizer):

@@ -1,16 +1,15 @@
 """
 Every axis on one mesh: pipeline x data (replicated, and sharded) x context x tensor, on
-pp·dp_replicate·dp_shard·cp·tp ranks (Megatron-LM's "PTD-P", Narayanan et al. 2021, grown
-as torchtitan grows it: FSDP inside each replica group, context parallelism for long
-sequences). The pipeline cuts the model into pp stages by depth; tensor parallelism cuts
-each stage's matrices over tp ranks; context parallelism cuts each sequence into cp parts
-that attend to each other round a ring; and that group of cp·tp ranks is repeated over the
-data axes, each on its own rows of the batch: dp_shard ranks that keep 1/dp_shard of the
-stage's weights, gradients and Adam state (ZeRO), and dp_replicate copies of all that
-(HSDP when both are > 1). A mixture of experts (--n_expert) splits its experts over ep
-ranks borrowed from the dp_shard x cp block, as torchtitan borrows them. Nothing here is
-new: the pieces are ddp.py's, fsdp.py's, tensor_parallel.py's, context_parallel.py's,
-pipeline_parallel.py's and expert_parallel.py's, run on sub-groups.
+pp·dp_replicate·dp_shard·cp·tp ranks (Megatron-LM's "PTD-P", Narayanan et al. 2021, grown as
+torchtitan grows it: FSDP inside each replica group, context parallelism for long sequences).
+The pipeline cuts the model into pp stages by depth; tensor parallelism cuts each stage's
+matrices over tp ranks; context parallelism cuts each sequence into cp parts that attend to
+each other round a ring; and that group of cp·tp ranks is repeated over the data axes, each on
+its own rows of the batch: dp_shard ranks that keep 1/dp_shard of the stage's weights,
+gradients and Adam state (fsdp.py's units), and dp_replicate copies of all that (HSDP when both
+are > 1). A mixture of experts (--n_expert) splits its experts over ep ranks borrowed from the
+dp_shard x cp block. The pieces are ddp.py's, fsdp.py's, tensor_parallel.py's,
+context_parallel.py's, pipeline_parallel.py's and expert_parallel.py's, run on sub-groups.
 
     torchrun --nproc_per_node=8 parallel_nd.py --dp_replicate=2 --tp=2 --pp=2 --n_micro=4
     torchrun --nproc_per_node=8 parallel_nd.py --dp_shard=2 --tp=2 --pp=2            # FSDP x TP x PP
@@ -19,79 +18,25 @@ pipeline_parallel.py's and expert_parallel.py's, run on sub-groups.
     torchrun --nproc_per_node=8 parallel_nd.py --dp_shard=2 --cp=2 --tp=2 --n_expert=8 --ep=4  # + EP
     torchrun --nnodes=16 --nproc_per_node=8 ... parallel_nd.py --model=gpt2-xl --pp=4   # see bench/plan_3d.py
 
-The mesh. rank = (((pp_rank·R + rep_rank)·S + shard_rank)·CP + cp_rank)·TP + tp_rank:
-tensor parallel innermost (neighbouring ranks: one node), then context, then the data
-axes, then pipeline outermost. The order follows what each axis sends, and how often:
-  tp  4 all-reduces of b·s·h activations per layer per micro-batch (2 forward, 2 backward),
-      each on the critical path: the most bytes, most often, and nothing hides them. The
-      fastest links, NVLink inside a node.
-  cp  K and V of every layer round the ring, forward and again backward with their
-      gradients: 3·(cp-1) hops of 2·b·(s/cp)·h/tp per layer per micro-batch, each behind the
-      attention on the block in hand. Nearly tp's bytes, but hideable: the next links.
-  dp_shard  per step each unit's weights all-gathered and its gradient reduce-scattered,
-      2·(S-1)/S·4Ψ/(tp·pp): ZeRO's price for 1/S of the state, a step's worth of weights
-      in flight. Inside a node when it fits.
-  dp_replicate  one all-reduce of the (sharded) gradients per step, 2(R-1)/R·4Ψ/(tp·pp·S),
-      overlapped with the last backward (ddp.py's buckets, without a shard axis): the
-      least data axis, the one to span nodes.
-  pp  one activation per micro-batch per boundary forward and its gradient back, b·s·h
-      each, to one neighbour: the least, and it tolerates the slowest links.
-Every group is made by C.new_group(ranks), every rank making every group in the same
-order (tp groups, then cp, dp_shard, dp_replicate, pp; with experts ep, ep_dp), even those
-it is not in. The tie
-between the embedding (first stage) and the head (last stage) is summed between the two
-ends of each pipeline group: the same other coordinates, so the same vocabulary rows.
+The mesh. rank = (((pp_rank·R + rep_rank)·S + shard_rank)·CP + cp_rank)·TP + tp_rank: the axis
+that sends the most, most often, innermost, on the fastest links: tp (4 all-reduces of
+activations a layer, nothing hides them), then cp (K and V round the ring, behind the
+attention), dp_shard (a step's weights all-gathered, its gradients reduce-scattered),
+dp_replicate (one all-reduce a step, overlapped with backward), and pp outermost (one
+activation a micro-batch, to one neighbour). Every rank makes every group, in one order.
 
-What each axis sends per step is derived in axis_messages(), which the tests hold the log to
-and bench/plan_3d.py uses to predict every layout of a cluster.
-
-Experts (--n_expert=E --ep=N). With j = dp_shard·cp + cp_rank a rank's place in its
-dp_shard x cp block, the ep group is N ranks of one run of j (the other coordinates the
-same; N divides the block and E), each holding E/N experts of every MoE layer and running
-expert_parallel's layer on that group: the all-to-all dispatch (--dispatch=allgather, its
-alternative), 4 passes of the routed rows a layer and micro-batch. Why borrow the data
-axes: an expert sees tokens from N ranks' rows instead of one, without ranks of its own
-(torchtitan, Megatron-Core's expert data parallelism); ep inside the block keeps its
-all-to-alls on the data axes' links, after tp's. What is split, and the formula:
-  - the experts are split by ep and nothing else: not tp-split (every tp rank runs the same
-    tokens through the same experts, each in the ep group of its tp coordinate), not ZeRO-
-    sharded (already 1/N each); 16 bytes an element on every rank (state_per_rank);
-  - the router, the attention and everything else are what they are without experts;
-  - an expert's gradient already holds the N ep ranks' tokens (the all-to-all's backward),
-    so it is summed over the ranks holding the same experts, ep_dp (S·cp/N of them) and
-    dp_replicate, and divided by the R·S·cp data ranks: mean over the global batch;
-  - the balance loss is the one-process run's, per whole sequence (with cp its sums over the
-    ring first), its gradient added where each layer is (a pipeline carries no extra loss).
-Refused: --capacity_factor (GShard's drop order is the whole global micro-batch's, which no
-ep group sees, and a pipeline's micro-batch is not the batch), --sequence_parallel, and what
-runs the all-to-alls twice (--schedule=zb's W, --recompute=full's rerun).
-
-The step: the data rank's rows (dp_replicate x dp_shard of them; the cp ranks of one
-sequence take its positions) are cut into m micro-batches for any of pipeline_parallel's
-schedules, each stage running tensor parallel's pieces on its tp group, its attention on
-the cp ring. Then the tie's sum, dp_shard's reduce-scatter of each unit's gradient, the
-average over cp and dp_replicate (the experts': over ep_dp and dp_replicate), and the clip
-(squared norms over dp_shard, tp and pp; the experts' over ep first).
-
-Sharded data parallel in a pipeline. A stage runs each unit (a block; the stage's ends)
-m times a step, forwards and backwards interleaved by the schedule, so a ZeRO-3 unit is
-all-gathered just before its first forward of the step and freed once the last backward
-is done (torchtitan's reshard_after_forward=False for pipelined FSDP): one all-gather and
-one reduce-scatter a step, not fsdp.py's 3 a micro-batch. ZeRO-1 and 2 keep the full
-weights between steps (all-gathered after the update); ZeRO-1 keeps the full gradient too.
-A unit's gathers are float32: the stage's modules hold float32 weights that autocast casts.
-
-Flags: --pp, --dp_replicate (0: the rest), --dp_shard, --cp, --tp;
---zero_stage as fsdp.py's; --layout (zigzag, contiguous) as context_parallel.py's;
---schedule, --n_micro (0: 2·pp with a pipeline, 1 without), --virtual_stages as
-pipeline_parallel.py's (zb with --tp=1 --cp=1: its W walks backward again, which would
-repeat tensor parallel's all-reduces and the ring); --sequence_parallel as
-tensor_parallel.py's; --bucket_mb and --overlap as ddp.py's; --n_expert (--top_k,
---aux_loss_coef) as model.py's, with --ep (1: every rank holds every expert) and
---dispatch as expert_parallel.py's.
+The step (train_step): the data rank's rows, cut into m micro-batches for any of
+pipeline_parallel's schedules, each stage running tensor parallel's pieces on its tp group and
+its attention on the cp ring; then reduce_gradients (the tie between the pipeline's two ends,
+dp_shard's reduce-scatter of each unit's gradient, the average over cp and dp_replicate, the
+experts' over ep_dp and dp_replicate), the clip and the update. What each axis sends per
+step: axis_bytes(), which the tests hold the log to and bench/plan_3d.py uses to predict a
+cluster's layouts. The order's reasons, the experts' groups, ZeRO in a pipeline and the flags:
+docs/parallel_nd.md.
 """
 from collections import namedtuple
 from functools import partial
+from types import SimpleNamespace
 
 import torch
 import torch.nn as nn
@@ -100,6 +45,7 @@ import torch.nn.functional as F
 import collectives as C
 import context_parallel as CP
 import ddp as DDP
+import fsdp as FSDP
 import expert_parallel as EP
 import model as M
 import pipeline_parallel as PP
@@ -209,6 +155,709 @@ def print_mesh(groups, mesh):
         group = {a: [int(rows[f"{a}_{i}"][r]) for i in range(n)] for a, n in sizes.items()}
         print(f"  rank {r:4d} ({', '.join(AXES)}) = ({', '.join(str(int(rows[a][r])) for a in AXES)})  "
               + "  ".join(f"{a} group {group[a]}" for a in CREATED + tuple(a for a in EP_AXES if a in group)))
+
+# -----------------------------------------------------------------------------
+# a pipeline stage made of tensor parallel pieces
+
+
+class Stage(nn.Module):
+    """Stage `stage` of `n_stages` (pipeline_parallel.Stage's blocks), each unit built
+    whole from the seed and cut to this rank's tensor parallel slice (tensor_parallel's
+    build), under model.GPT's parameter names. The last stage's head is its own copy of
+    this tp rank's slice of the tied matrix (lm_head.weight); one stage: the same one.
+    pos: this cp rank's global positions (None: all of them); ring: its attention's ring;
+    moe: MoE -> its layer on the mesh (MeshMoE), for --n_expert.
+    gather(unit): called before a unit ("ends", or a block's index) computes (ZeRO-3)."""
+
+    def __init__(self, config, stage, n_stages, seed, group, sp, n_virtual=1, pos=None, ring=None, moe=None):
+        super().__init__()
+        self.config, self.group, self.sp, self.pos, self.gather = config, group, sp, pos, lambda unit: None
+        self.recompute = "none"  # --recompute: what each block keeps for backward (model.recompute_block)
+        self.first, self.last = stage == 0, stage == n_stages - 1
+        self.n_chunks = n_stages * n_virtual  # pipeline_parallel.Stage's chunks: r, r+p, ...
+        self.chunks = {c: PP.stage_layers(config.n_layer, self.n_chunks, c)
+                       for c in range(stage, self.n_chunks, n_stages)}
+        self.transformer = nn.ModuleDict(dict(h=nn.ModuleDict(
+            {str(i): parallel_block(M.build_unit(config, i, seed), group, sp, moe) for c in self.chunks
+             for i in self.chunks[c]})))
+        if ring is not None:  # context parallel: model.py's attend() hook, as context_parallel.use_ring
+            for block in self.transformer["h"].values():
+                block.attn.attend = partial(CP.ring_attention, ring=ring)
+        if self.first:
+            emb = M.build_unit(config, "embed", seed)
+            self.transformer["wte"] = TP.VocabParallelEmbedding(emb.wte, group, sp)
+            self.transformer["wpe"] = emb.wpe
+        if self.last:
+            self.transformer["ln_f"] = M.build_unit(config, "ln_f", seed)
+            if not self.first:
+                self.lm_head = TP.VocabParallelEmbedding(M.build_unit(config, "embed", seed).wte, group, sp)
+
+    def head(self):
+        return self.transformer["wte"] if self.first else self.lm_head
+
+    def tied(self):
+        """This stage's copy of the tied matrix (its tp slice), None in the middle."""
+        return self.head().weight if self.first or self.last else None
+
+    def forward(self, x, targets=None, chunk=None):
+        """Token ids (b, s) on the first stage, else the previous stage's (s, b, h) (with
+        sequence parallelism (s/tp, b, h)); -> the same for the next stage, or the loss."""
+        t, g, sp, chunk = self.transformer, self.group, self.sp, next(iter(self.chunks)) if chunk is None else chunk
+        if chunk == 0 or chunk == self.n_chunks - 1:
+            self.gather("ends")
+        if chunk == 0 and self.pos is None:
+            x = TP.embed_forward(t["wte"], t["wpe"], x, g, sp, self.config.dropout, self.training)
+        elif chunk == 0:  # a cp rank's positions: the GLOBAL ones, as context_parallel.forward
+            x = F.dropout(t["wte"](x.t()) + t["wpe"](self.pos)[:, None], self.config.dropout, self.training)
+        for i in self.chunks[chunk]:
+            self.gather(i)  # once a step: the weights stay until the step's last backward, so a rerun finds them
+            x = M.recompute_block(partial(TP.block_forward, t["h"][str(i)]), x, self.recompute)
+        return TP.head_forward(t["ln_f"], self.head(), x, targets, g, sp) if chunk == self.n_chunks - 1 else x
+
+    def units(self):
+        """[(key, [(name, parameter)])]: the stage's ends (if any), then each block, a
+        mixture's experts left out (experts())."""
+        named = [(n, p) for n, p in self.named_parameters() if not hasattr(p, "ep_index")]
+        ends = [(n, p) for n, p in named if not n.startswith("transformer.h.")]
+        blocks = [(int(i), [(n, p) for n, p in named if n.startswith(f"transformer.h.{i}.")])
+                  for i in self.transformer["h"]]
+        return ([("ends", ends)] if ends else []) + blocks
+
+
+# -----------------------------------------------------------------------------
+# a mixture of experts on the mesh: expert_parallel's layer on the ep group
+
+
+class MeshMoE(EP.ExpertParallelMoE):
+    """expert_parallel's layer (E/ep experts here, the all-to-all or all-gather dispatch on
+    the ep group, the router replicated), in tensor parallel's (s, b, h) layout, not tp-split:
+    every tp rank runs the same tokens through the same experts, each in its own ep group.
+    Its balance loss is the one-process run's: per whole sequence (with cp, the sequence's
+    sums over the cp ring), its gradient added where the layer is (_AuxLoss): aux_scale =
+    aux_loss_coef / (layers · micro-batches). Its messages go on the ep group, a group of its
+    own even where its ranks are another axis' (ep = cp, or ep = dp_shard without cp):
+    collectives.py counts bytes by the group that sends them, so each axis logs its own."""
+
+    def __init__(self, moe, mode, wire_dtype, group, cp_group, aux_scale):
+        super().__init__(moe, mode, wire_dtype, group)
+        self.cp_group, self.aux_scale = cp_group, aux_scale
+        for p in self.experts.parameters():  # the checkpoint's slice: dim 0, the experts held here
+            p.ep_index = (0, self.first, self.first + self.local)
+
+    def forward(self, x):
+        s, b, h = x.shape
+        tokens = x.reshape(-1, h)  # position-major: only a capacity's drop order would care, and it is refused
+        probs, weights, chosen = M.route(self.router, tokens, self.config.top_k)
+        self.aux = balance_loss(probs.view(s, b, -1), chosen.view(s, b, -1), self.cp_group)
+        out, stats = self.run_experts(tokens, chosen)
+        y = (weights.unsqueeze(-1) * out).sum(1)
+        if self.training and not M.rerunning():
+            for name, v in dict(stats, aux_loss=self.aux.detach(), forwards=1).items():
+                self.tally[name] = self.tally.get(name, 0) + v
+        if torch.is_grad_enabled():
+            y = _AuxLoss.apply(y, self.aux, self.aux_scale)
+        return y.view(s, b, h).to(x.dtype)
+
+
+def balance_loss(probs, chosen, cp_group):
+    """model.balance_loss on (s, b, E) probabilities and (s, b, k) choices: E·Σ_e f_e·P_e per
+    sequence, averaged. With cp a sequence's positions lie on cp ranks: the per-sequence
+    counts and probability sums are summed over the ring first (one all-reduce of b·2E floats)."""
+    s, b, E = probs.shape
+    both = torch.cat([F.one_hot(chosen, E).sum((0, 2)).float(), probs.sum(0)], -1)  # (b, 2E)
+    if C.get_world_size(cp_group) > 1:
+        both = _SumShared.apply(both, cp_group)
+    f, P = both.split(E, -1)
+    T = s * C.get_world_size(cp_group)  # the whole sequence
+    return E * (f / (T * chosen.shape[-1]) * (P / T)).sum(-1).mean()
+
+
+class _SumShared(torch.autograd.Function):
+    """The sum over the group, which every rank then uses alike. Backward: the gradient times
+    n, no message: the n ranks' losses are the same function of the sum, so each rank's share
+    gets the same gradient from each, and the gradients' mean over the cp group divides by n."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.n = C.get_world_size(group)
+        out = x.clone()
+        C.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.n, None
+
+
+class _AuxLoss(torch.autograd.Function):
+    """y unchanged; backward also gives the balance loss its gradient, `scale` (Megatron-Core's
+    MoEAuxLossAutoScaler): each stage's layers add their term to the objective where they are,
+    with nothing carried down the pipeline."""
+
+    @staticmethod
+    def forward(ctx, y, aux, scale):
+        ctx.scale = torch.full_like(aux, scale)
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, ctx.scale, None
+
+
+def parallel_block(block, group, sp, moe=None):
+    """tensor_parallel's block; a mixture's block has only its attention tp-split, its MLP
+    the mesh's MoE layer (moe(block.mlp))."""
+    if moe is None:
+        return TP.parallel_block(block, group, sp)
+    block.attn.c_attn = TP.ColumnParallelLinear(block.attn.c_attn, group, sp, parts=3)
+    block.attn.c_proj = TP.RowParallelLinear(block.attn.c_proj, group, sp)
+    block.mlp = moe(block.mlp)
+    return block
+
+
+def experts(stage):
+    """[(name, parameter)]: this rank's experts, E/ep of each of the stage's MoE layers."""
+    return [(n, p) for n, p in stage.named_parameters() if hasattr(p, "ep_index")]
+
+
+class Executor(PP.Executor):
+    """pipeline_parallel's executor, which also arms gradient hooks (`armed`: dp_replicate's
+    buckets, dp_shard's ShardComm; each has a `sync`) for the last micro-batch's weight
+    gradients only (its backward, or its W under --schedule=zb): the gradients are complete
+    then, and each message starts as soon as its gradients are (ddp.py's overlap); earlier
+    micro-batches only accumulate."""
+
+    def __init__(self, *args, armed=(), **kwargs):
+        super().__init__(*args, **kwargs)
+        self.armed = [x for x in armed if x is not None]
+
+    def backward(self, a, *args):
+        for x in self.armed:
+            x.sync = a.micro == self.n_micro - 1
+        super().backward(a, *args)
+
+    def weight_grad(self, a, *args):
+        for x in self.armed:
+            x.sync = a.micro == self.n_micro - 1
+        super().weight_grad(a, *args)
+
+# -----------------------------------------------------------------------------
+# dp_shard: a stage's units sharded over the shard group (fsdp.py's ZeRO, on module parameters)
+
+
+def gather_once(u):
+    """ZeRO-3 on the mesh: a unit is gathered at its first use in a step and kept to the step's end."""
+    if not u.full[0].untyped_storage().nbytes():
+        u.gather()
+
+
+class ShardComm:
+    """The dp_shard axis' messages in a step. ZeRO-3 gathers each unit at its first use in the
+    step (gather(key), the stage's hook) and keeps it to the step's end; every unit's gradient
+    is reduce-scattered once a step (reduce_scatter). overlap (--overlap): the next unit's
+    all-gather, in its chunk's order (an interleaved stage's next chunk runs after other work:
+    its weights would only be held longer), is issued as one is taken, to travel while it
+    computes; and a unit's reduce-scatter is issued as soon as its gradient is complete, the
+    last micro-batch's backward having reached each of its parameters (the Executor sets
+    `sync` for that micro-batch, as for ddp.py's buckets), then waited for in
+    reduce_gradients. `early`: the units that may go then; not those whose gradients change
+    after backward (the tied ends: the tie's sum; all under sequence parallelism: tp's sum of
+    the replicas). waits: (start, end) of each wait on the axis' messages in the step, read
+    by exposed_ms() after it (an instrument: on a GPU, reading them waits for the device)."""
+
+    def __init__(self, keyed, overlap, early, order):
+        self.units, self.overlap, self.next = dict(keyed), overlap, {}
+        for keys in order:  # per chunk, its units in the order they compute: prefetch stays inside a chunk
+            for key, after in zip(keys, keys[1:]):
+                self.next.setdefault(key, after)
+        self.sync, self.waits, self.gathering, self.reducing, self.seen = False, [], {}, {}, {}
+        for u in early if overlap else []:
+            for p in u.params:
+                p.register_post_accumulate_grad_hook(partial(self._accumulated, u))
+
+    @torch.compiler.disable  # under --compile: messages and a clock, run as they are between the graphs
+    def gather(self, key):
+        u = self.units[key]
+        self._start(u)
+        t0 = M.now(u.full[0].device)
+        for h in self.gathering.pop(u, []):
+            h.wait()
+        self.waits.append((t0, M.now(u.full[0].device)))
+        if self.overlap and key in self.next:
+            self._start(self.units[self.next[key]])  # travels while u computes
+
+    def _start(self, u):
+        if not u.full[0].untyped_storage().nbytes():
+            self.gathering[u] = u.gather(async_op=True)
+
+    def _accumulated(self, u, p):
+        if self.sync:
+            self.seen[u] = self.seen.get(u, 0) + 1
+            if self.seen[u] == len(u.params):  # u's gradient is complete: on its way now
+                self.reducing[u] = start_reduce(u)
+
+    def reduce_scatter(self, units):
+        """Every unit's gradient averaged over the shard group into this rank's gradient shard:
+        the ones on their way waited for, the rest sent now."""
+        t0 = M.now(units[0].full[0].device)
+        for u in units:
+            finish_reduce(u, self.reducing.pop(u, None) or start_reduce(u))
+        self.seen = {}
+        self.waits.append((t0, M.now(units[0].full[0].device)))
+
+    def exposed_ms(self):
+        return 1000 * sum(M.elapsed(t0, t1) for t0, t1 in self.waits)
+
+
+def zero_grad(u):
+    """Before a step: ZeRO-1's full gradient zeroed and handed to autograd as the parameters'
+    .grad (it accumulates into them in place); ZeRO-2/3: none, autograd allocates."""
+    if u.stage == 1:
+        for g in u.full_grad:
+            g.zero_()
+        for p, view in zip(u.params, u.views(u.full_grad)):
+            p.grad = view
+
+
+def start_reduce(u):
+    """Start reduce-scattering the unit's full gradient (every micro-batch's, summed). Whatever
+    gradient autograd left ends in the flat buffer: ZeRO-1's .grad replaced by another tensor
+    (a caller's zero_grad(set_to_none=True)) is added into it, not lost."""
+    if u.stage == 1:
+        for p, view in zip(u.params, u.views(u.full_grad)):
+            if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
+                view += p.grad
+        return u.reduce_scatter(u.full_grad)
+    return u.reduce_scatter(u.flat_grads([p.grad if p.grad is not None else torch.zeros_like(p) for p in u.params]))
+
+
+def finish_reduce(u, reducing):
+    """The average over the shard group into the gradient shard; ZeRO-2/3 drop the full gradient."""
+    FSDP.add_reduced(reducing, replace=True)
+    if u.stage > 1:
+        for p in u.params:
+            p.grad = None
+
+
+class FullState:
+    """What model.py's checkpoints see of the sharded optimizer: its param_groups (the
+    learning rate), and a `state` keyed by the stage's full (tp-sliced) parameters, so a
+    checkpoint holds global tensors that any layout loads: unshard() fills it before a
+    save; restore() fills it from a checkpoint, and reshard() hands it to the shards."""
+
+    def __init__(self, optimizer):
+        self.optimizer, self.state = optimizer, {}
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+
+@torch.no_grad()
+def unshard(dp):
+    """Every unit's full weights (ZeRO-3: gathered) and Adam's moments all-gathered over the
+    shard group into full-parameter tensors, for a checkpoint (with the experts' moments, kept
+    whole). Untracked: not training traffic."""
+    optimizer, full_state = dp.optimizer, dp.full_state
+    full_state.state.update({p: optimizer.state[p] for p in dp.experts})
+    with C.untracked():
+        for u in dp.units:
+            gather_once(u)
+            (_, _, _, size), = u.parts  # the mesh's units are float32: one part
+            moments = {}
+            for m in M.MOMENTS:
+                mine = torch.zeros_like(u.full[0])  # this rank's pieces, where they lie in the full buffer
+                views = dict(zip(map(id, u.params), u.views([mine])))
+                for _, piece, p, lo, hi in u.mine:
+                    views[id(p)].view(-1)[lo:hi] = optimizer.state[piece][m].reshape(-1)
+                moments[m] = torch.empty_like(u.full[0])
+                C.all_gather(moments[m], mine[u.rank * size:(u.rank + 1) * size].clone(), group=u.group)
+            for p, *views in zip(u.params, *(u.views([moments[m]]) for m in M.MOMENTS)):
+                full_state.state[p] = dict(zip(M.MOMENTS, views))
+
+
+@torch.no_grad()
+def reshard(units, full_state, optimizer):
+    """After restore() loaded the full parameters and their moments: each rank keeps its shard
+    of both (and the step count), as the run had them when it saved."""
+    for u in units:
+        for shard, full, (*_, size) in zip(u.shards, u.full, u.parts):
+            shard.copy_(full[u.rank * size:(u.rank + 1) * size])
+        for _, piece, p, lo, hi in u.mine:
+            state = full_state.state.get(p)
+            if state:
+                optimizer.state[piece] = dict(step=state["step"].clone(), **{
+                    m: state[m].reshape(-1)[lo:hi].reshape(piece.shape).clone() for m in M.MOMENTS})
+
+
+def average(tensors, group):
+    """Average tensors over a group, all packed in one float32 message."""
+    if C.get_world_size(group) == 1 or not tensors:
+        return
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    C.all_reduce(flat, op="avg", group=group)
+    for t, g in zip(tensors, flat.split([t.numel() for t in tensors])):
+        t.copy_(g.view_as(t))
+
+
+def checkpoint_entries(stage, tp_group, writer, expert_writer=False):
+    """tensor_parallel's entries (global names, tp slices, replicas written by tp rank 0),
+    written by the first rank of the data and context axes only; the last stage's tied copy
+    is transformer.wte.weight again, loaded but never written (pipeline_parallel's rule).
+    A mixture's experts: dim-0 slices of the global stacked tensors (expert_parallel's), written
+    by tp rank 0 of the first ep group of the data and context axes (expert_writer)."""
+    return [("transformer.wte.weight", p, index, False) if name == "lm_head.weight" else
+            (name, p, p.ep_index, write and expert_writer) if hasattr(p, "ep_index") else
+            (name, p, index, write and writer)
+            for name, p, index, write in TP.checkpoint_entries(stage, tp_group)]
+
+
+def counted_once(stage, tp_group):
+    """Whether a parameter's squared gradient norm counts on this rank: each tp slice, the
+    replicas on tp rank 0 only, never the last stage's tied copy."""
+    copy = stage.tied() if stage.last and not stage.first else None
+    first = C.get_rank(tp_group) == 0
+    return lambda p: p is not copy and (hasattr(p, "tp_index") or first)
+
+
+def clip_global_norm(stage, max_norm, tp_group, pp_group, extra=None):
+    """The norm of the whole model's gradient, each parameter once: tensor_parallel's
+    squared norm over the tp group (shards, and replicas on tp rank 0), without the last
+    stage's tied copy; summed over tp, then over pp (one float each); never over dp or cp.
+    extra: (squares, gradients) of a mixture's experts (expert_sq), added to the sum."""
+    if not max_norm:
+        return 0.0
+    sharded, replicated = TP.split_params(stage)
+    replicated = [p for p in replicated if not hasattr(p, "ep_index")]
+    copy = stage.tied() if stage.last and not stage.first else None
+    sq = TP.grad_sq_norm([p for p in sharded if p is not copy], replicated, tp_group)
+    sq, grads = (sq + extra[0], extra[1]) if extra else (sq, [])
+    return M.clip_by_global_norm(sq, [p.grad for p in sharded + replicated] + grads, max_norm, [tp_group, pp_group])
+
+
+def clip_shards(pieces, max_norm, groups, extra=None):
+    """The same norm from the gradient shards: every element of a unit lies in one rank's
+    shard of the dp_shard group, so its squares are summed over dp_shard, tp and pp."""
+    if not max_norm:
+        return 0.0
+    sq = torch.stack([p.grad.pow(2).sum() if counted else p.grad.new_zeros(()) for _, p, counted in pieces]).sum()
+    sq, grads = (sq + extra[0], extra[1]) if extra else (sq, [])
+    return M.clip_by_global_norm(sq, [p.grad for _, p, _ in pieces] + grads, max_norm, groups)
+
+
+def expert_sq(params, me, ep_group):
+    """The experts' share of the squared norm, (squares, gradients): each ep group holds
+    every expert of its stage once, so their squares summed over it (one float, on ep) are
+    the stage's; counted on one rank of the sums that follow (tp, dp_shard and pp: tp rank 0
+    at dp_shard 0), 0 elsewhere."""
+    sq = torch.stack([p.grad.pow(2).sum() for p in params]).sum()
+    C.all_reduce(sq, group=ep_group)
+    return sq * (me.tp == me.dp_shard == 0), [p.grad for p in params]
+
+
+def state_bytes(dp, stage):
+    """Parameters, gradients and Adam's state resident on this rank, each storage counted once
+    (a shard that is a slice of the full weights is no copy; freed weights hold nothing)."""
+    if not dp.units:
+        grads = (dp.buckets.buffers if dp.buckets else [p.grad for p in dp.params]) + [p.grad for p in dp.experts]
+        return (M.tensor_bytes(dp.params + dp.experts) + M.tensor_bytes(grads)
+                + M.optimizer_state_bytes(dp.optimizer))
+    kept = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+            for t in [p for p in stage.parameters()] + [p.grad for p in stage.parameters() if p.grad is not None]
+            + [t for u in dp.units for t in u.shards + u.grads + u.full_grad]}
+    return sum(kept.values()) + M.optimizer_state_bytes(dp.optimizer)
+
+# -----------------------------------------------------------------------------
+# the run
+
+
+def layout(cfg, config, world, check=True):
+    """-> the Mesh, or (check) one line and exit on every rank (before any message)."""
+    pp, S, cp, tp = cfg.pp, cfg.dp_shard, cfg.cp, cfg.tp
+    R = cfg.dp_replicate
+    rest = pp * S * cp * tp
+    if not R and world % rest:
+        M.die(f"--pp={pp} x --dp_shard={S} x --cp={cp} x --tp={tp} = {rest} ranks does not divide the world "
+              f"size {world}")
+    mesh = Mesh(pp, R or world // rest, S, cp, tp)
+    if not check:
+        return mesh
+    if world_of(mesh) != world:
+        M.die(" x ".join(f"--{a}={n}" for a, n in mesh._asdict().items()) + f" = {world_of(mesh)} ranks, "
+              f"but the world has {world}: their product must equal the world size")
+    if config.n_head % tp or config.vocab_size % tp:
+        M.die(f"--tp={tp} must divide the {config.n_head} heads and the padded vocabulary ({config.vocab_size})")
+    if cfg.sequence_parallel and config.block_size % tp:
+        M.die(f"--sequence_parallel needs --block_size ({config.block_size}) divisible by --tp={tp}")
+    parts = cp * (2 if cfg.layout == "zigzag" else 1)
+    if config.block_size % parts:
+        M.die(f"--cp={cp} needs --block_size ({config.block_size}) divisible into {parts} equal chunks "
+              f"({cfg.layout} layout{', two chunks a rank' if cfg.layout == 'zigzag' else ''})")
+    if pp > config.n_layer:
+        M.die(f"--pp={pp} stages but the model has {config.n_layer} blocks: each stage needs at least one")
+    if cfg.schedule == "zb" and (tp > 1 or cp > 1):  # W walks backward again: tp's and the ring's messages twice
+        M.die("--schedule=zb needs --tp=1 and --cp=1 here: its W re-runs the backward, tensor parallel's "
+              "all-reduces and the ring with it")
+    v = PP.virtual_stages(cfg)
+    if cfg.schedule == "interleaved" and (v < 1 or cfg.n_micro % pp or pp * v > config.n_layer):
+        M.die(f"--schedule=interleaved needs --n_micro ({cfg.n_micro}) divisible by --pp={pp} and --pp x "
+              f"--virtual_stages={v} chunks of at least one of the {config.n_layer} blocks each")
+    ep, E = cfg.ep, config.n_expert
+    if E and (E % ep or S * cp % ep):
+        M.die(f"--ep={ep} must divide the {E} experts (--n_expert) and --dp_shard x --cp = {S * cp}, "
+              f"the ranks it borrows")
+    if E and (cfg.schedule == "zb" or cfg.recompute == "full" or cfg.sequence_parallel or cfg.capacity_factor):
+        M.die("--n_expert here: not with --schedule=zb or --recompute=full (each runs the experts' all-to-alls "
+              "again), --sequence_parallel (not yet), or --capacity_factor (its drop order is the whole global "
+              "micro-batch's, which no ep group sees: expert_parallel.py has it)")
+    dp = mesh.dp_replicate * S
+    if cfg.batch_size % (dp * cfg.n_micro):
+        M.die(f"--batch_size={cfg.batch_size} does not divide into {dp} data parallel ranks "
+              f"(--dp_replicate x --dp_shard) x {cfg.n_micro} micro-batches")
+    return mesh
+
+
+def check_flags(cfg):
+    """The flags alone, before any message: one line and exit on every rank."""
+    if min(cfg.tp, cfg.pp, cfg.cp, cfg.dp_shard) < 1 or cfg.dp_replicate < 0:
+        M.die("--pp, --dp_shard, --cp and --tp must be at least 1, --dp_replicate at least 0 (0: the rest)")
+    if cfg.schedule not in PP.SCHEDULES:
+        M.die(f"--schedule takes {', '.join(PP.SCHEDULES)}, not {cfg.schedule!r}")
+    if cfg.schedule == "zb" and cfg.recompute == "full":
+        M.die(PP.ZB_FULL)
+    if cfg.layout not in CP.LAYOUTS:
+        M.die(f"--layout takes {' or '.join(CP.LAYOUTS)}, not {cfg.layout!r}")
+    if cfg.zero_stage not in (1, 2, 3):
+        M.die(f"--zero_stage takes 1, 2 or 3, not {cfg.zero_stage}")
+    cfg.n_micro = cfg.n_micro or (2 * cfg.pp if cfg.pp > 1 else 1)  # a pipeline needs m >= pp to fill
+    if cfg.n_micro < 1 or cfg.bucket_mb <= 0:
+        M.die("--n_micro must be at least 1 and --bucket_mb positive")
+    if cfg.cp > 1 and (cfg.sequence_parallel or cfg.dropout):
+        M.die("--cp > 1 needs --sequence_parallel=False and --dropout=0: the ring holds whole sequences' "
+              "chunks, and its backward recomputes the attention weights without forward's masks")
+    if cfg.ep < 1 or (cfg.ep > 1 and not cfg.n_expert) or cfg.dispatch not in EP.DISPATCH:
+        M.die(f"--ep={cfg.ep} must be at least 1, and more than 1 only with --n_expert (a mixture of experts); "
+              f"--dispatch takes {' or '.join(EP.DISPATCH)}, not {cfg.dispatch!r}")
+
+
+def build_stage(cfg, config, mesh, me, groups, device):
+    """This rank's pipeline stage: its blocks cut over tp, the attention on the cp ring, a
+    mixture's MLPs expert_parallel's layer on the ep group."""
+    ring = CP.Ring(groups["cp"], cfg.layout) if mesh.cp > 1 else None
+    pos = CP.positions(config.block_size, me.cp, mesh.cp, cfg.layout, device) if ring else None
+    make_moe = None
+    if config.n_expert:
+        wire = torch.bfloat16 if cfg.dtype == "bfloat16" else None  # the rows travel in the compute dtype
+        make_moe = partial(MeshMoE, mode=cfg.dispatch, wire_dtype=wire, group=groups["ep"], cp_group=groups["cp"],
+                           aux_scale=config.aux_loss_coef / (config.n_layer * cfg.n_micro))
+    stage = Stage(config, me.pp, mesh.pp, cfg.seed, groups["tp"], cfg.sequence_parallel, PP.virtual_stages(cfg),
+                  pos, ring, make_moe).to(device)
+    stage.recompute = cfg.recompute
+    return stage
+
+
+def build_data_parallel(run, cfg, mesh, me, groups, stage):
+    """What the data axes keep of `stage`, and its optimizer, loaded from --resume if given.
+    dp_shard: fsdp's units on this stage's tp slices, the optimizer on their shards;
+    otherwise the parameters whole, with dp_replicate's buckets (ddp.py's). A mixture's
+    experts stay whole (E/ep of each layer), out of the units and the buckets."""
+    dp = SimpleNamespace(units=[], buckets=None, comm=None, pieces=[], zero=cfg.zero_stage if mesh.dp_shard > 1 else 0)
+    expert_named = experts(stage)
+    dp.experts = [p for _, p in expert_named]
+    dp.params = [p for p in stage.parameters() if not hasattr(p, "ep_index")]
+    dp.replicated = TP.split_params(stage)[1]
+    if dp.zero:
+        keyed = [(key, FSDP.Unit(named, groups["dp_shard"], dp.zero, run.device, name=str(key)))
+                 for key, named in stage.units()]
+        dp.units = [u for _, u in keyed]
+        tied = stage.tied()
+        early = [] if cfg.sequence_parallel else [u for u in dp.units if all(p is not tied for p in u.params)]
+        order = [[k for k in ["ends"] * (c in (0, stage.n_chunks - 1)) + list(stage.chunks[c]) if k in dict(keyed)]
+                 for c in stage.chunks]  # each chunk's units in the order its forward takes them
+        dp.comm = ShardComm(keyed, cfg.overlap, early, order)
+        if dp.zero == 3:
+            stage.gather = dp.comm.gather  # just in time, once a step
+        counted = counted_once(stage, groups["tp"])
+        for u in dp.units:
+            u.mine = u.pieces()  # [(name, piece of the shard, parameter, start, stop)]
+        dp.pieces = [(name, piece, counted(p)) for u in dp.units for name, piece, p, _, _ in u.mine]
+        dp.optimizer = M.make_optimizer([(name, p) for name, p, _ in dp.pieces] + expert_named, cfg, run.device)
+    else:
+        if mesh.dp_replicate > 1:
+            dp.buckets = DDP.GradBuckets(dp.params, cfg.bucket_mb, cfg.overlap, groups["dp_replicate"])
+        dp.optimizer = M.make_optimizer(stage.named_parameters(), cfg, run.device)
+    writer = me.dp_replicate == me.dp_shard == me.cp == 0
+    entries = checkpoint_entries(stage, groups["tp"], writer,
+                                 me.dp_replicate == 0 and me.dp_shard * mesh.cp + me.cp < cfg.ep)
+    if not dp.zero:
+        M.restore(run, entries, dp.optimizer)  # both tied copies are loaded
+        return dp
+    dp.full_state = FullState(dp.optimizer)  # the checkpoint holds full tensors: loaded whole, then cut
+    with C.untracked():
+        for u in dp.units:
+            gather_once(u) if dp.zero == 3 else u.gather()  # the full weights, to load into (or to keep)
+    M.restore(run, entries, dp.full_state)
+    reshard(dp.units, dp.full_state, dp.optimizer)
+    dp.optimizer.state.update({p: dp.full_state.state[p] for p in dp.experts if p in dp.full_state.state})
+    dp.full_state.state.clear()
+    free_units(dp)
+    return dp
+
+
+def free_units(dp):
+    """ZeRO-3 on the mesh: a unit's full weights live from its first use in a step to the step's end."""
+    if dp.zero == 3:
+        for u in dp.units:
+            u.free()
+
+
+def train_step(dp, stage, executor, plan, rows, cfg, groups, me):
+    """One optimizer step: the schedule's forwards and backwards, the gradients reduced over
+    every axis (reduce_gradients), the clip, the update. -> (the losses, the norm)"""
+    if dp.buckets:
+        dp.buckets.zero()
+        dp.buckets.sync = not cfg.overlap
+    elif dp.units:
+        for u in dp.units:
+            zero_grad(u)
+    else:
+        dp.optimizer.zero_grad(set_to_none=True)
+    for p in dp.experts if dp.units or dp.buckets else []:
+        p.grad = None
+    if dp.comm:
+        dp.comm.waits = []
+    losses = executor.run(plan, rows)
+    extra = reduce_gradients(dp, stage, cfg, groups, me)
+    if dp.units:
+        norm = clip_shards(dp.pieces, cfg.grad_clip, [groups["dp_shard"], groups["tp"], groups["pp"]], extra)
+    else:
+        norm = clip_global_norm(stage, cfg.grad_clip, groups["tp"], groups["pp"], extra)
+    dp.optimizer.step()
+    if dp.zero in (1, 2):
+        for u in dp.units:
+            u.gather()  # every rank needs the updated full weights again
+    return losses, norm
+
+
+def reduce_gradients(dp, stage, cfg, groups, me):
+    """Each gradient summed over the ranks that hold a copy of it, after the last backward:
+    -> the experts' (squares, gradients) for the clip (expert_sq), or None."""
+    if dp.buckets:
+        dp.buckets.reduce()  # dp_replicate: the average over the replicas (waits for the overlapped ones)
+    if cfg.sequence_parallel:
+        TP.sum_replicated_grads(dp.replicated, groups["tp"])  # tp: replicas saw only their positions
+    PP.sum_tied_grads(stage, groups["pp"])  # pp: the tie, between the two ends
+    if dp.units:
+        dp.comm.reduce_scatter(dp.units)  # dp_shard: each unit's gradient into this rank's shard
+        free_units(dp)
+        grads = [g for u in dp.units for g in u.grads]
+        average(grads, groups["cp"])  # cp: each rank saw its positions' share of the tokens
+        average(grads, groups["dp_replicate"])  # dp_replicate: HSDP's all-reduce of the shards
+    else:
+        average(dp.buckets.buffers if dp.buckets else [p.grad for p in dp.params], groups["cp"])
+    if not dp.experts:
+        return None
+    grads = [p.grad for p in dp.experts]  # from the ep group's tokens: summed over the other data ranks
+    average(grads, groups["ep_dp"])  # ep_dp: the ranks that hold the same experts
+    average(grads, groups["dp_replicate"])
+    for g in grads:  # the mean over the R·S·cp data ranks: ep of them were summed already
+        g.div_(cfg.ep)
+    return expert_sq(dp.experts, me, groups["ep"]) if cfg.grad_clip else None
+
+
+def main(argv=None):
+    cfg = M.parse_args(DEFAULTS, argv, __doc__)
+    check_flags(cfg)
+    run = M.start(cfg, "parallel_nd", moe=True)
+    rank, world, device, config = run.rank, run.world, run.device, run.config
+    # 1. the mesh: every group of every axis, made by every rank in one order
+    mesh = layout(cfg, config, world)
+    me = coords(rank, mesh)
+    moe, ep, n_micro, S, R = bool(config.n_expert), cfg.ep, cfg.n_micro, mesh.dp_shard, mesh.dp_replicate
+    groups = make_groups(rank, mesh, ep if moe else 0)
+    print_mesh(groups, mesh)
+    # 2. the stage: tp's pieces, the cp ring, the experts; then what the data axes keep of it
+    stage = build_stage(cfg, config, mesh, me, groups, device)
+    dp = build_data_parallel(run, cfg, mesh, me, groups, stage)
+    run.layout = dict(mesh._asdict(), zero_stage=cfg.zero_stage, layout=cfg.layout, schedule=cfg.schedule,
+                      n_micro=n_micro, sequence_parallel=cfg.sequence_parallel,
+                      **(dict(ep=ep, dispatch=cfg.dispatch) if moe else {}))
+    # 3. the pipeline's runtime and its schedules
+    b, s = cfg.batch_size // (R * S * n_micro), config.block_size // mesh.cp
+    act_shape = (s // mesh.tp if cfg.sequence_parallel else s, b, config.n_embd)
+    executor = Executor(stage, act_shape, n_micro, run.autocast, torch.compile(stage) if cfg.compile else None,
+                        groups["pp"], armed=[dp.buckets, dp.comm] if cfg.overlap else [])
+    v = PP.virtual_stages(cfg)
+    train_plan = PP.plan(cfg.schedule, mesh.pp, n_micro, me.pp, v)
+    eval_plan = PP.plan(cfg.schedule, mesh.pp, n_micro, me.pp, v, train=False)
+    sizes = dict(mesh._asdict(), **({"ep": ep, "ep_dp": S * mesh.cp // ep} if moe else {}))
+    formula = {a: axis_bytes(config, cfg, mesh, stage=me.pp)[a] / n for a, n in sizes.items()}
+    last_stage = [r for r in range(world) if coords(r, mesh).pp == mesh.pp - 1]
+    if rank == 0:
+        print(f"parallel_nd: " + " x ".join(f"{a}={n}" for a, n in mesh._asdict().items()) + f" = {world} ranks"
+              f"{f', ZeRO-{cfg.zero_stage}' if S > 1 else ''}{f', {cfg.layout} ring' if mesh.cp > 1 else ''}"
+              f"{', sequence parallel' if cfg.sequence_parallel else ''}"
+              f"{f', {config.n_expert} experts over ep={ep} ({cfg.dispatch})' if moe else ''}, "
+              f"{M.param_count(config) / 1e6:.2f}M parameters, schedule "
+              f"{cfg.schedule}, {n_micro} micro-batches of {b} x {s} tokens per pipeline, bubble "
+              f"{PP.bubble(cfg.schedule, mesh.pp, n_micro, v):.1%}")
+
+    def rows(step, split):  # this data rank's rows of the global batch, its cp positions, in micro-batches
+        batch = partial(M.batch, run, step, split, n_micro=n_micro, dp_rank=me.dp_replicate * S + me.dp_shard,
+                        dp_size=R * S)
+        return batch if stage.pos is None else lambda k: tuple(t[:, stage.pos] for t in batch(k))
+
+    @torch.no_grad()
+    def evaluate():
+        stage.eval()
+        losses = []
+        with C.untracked():  # bookkeeping, not training traffic
+            for k in range(cfg.eval_iters):
+                losses += executor.run(eval_plan, rows(k, "val"), train=False)
+            free_units(dp)
+            loss = torch.stack(losses).mean() if stage.last else torch.zeros((), device=device)
+            for axis in ("cp", "dp_shard", "dp_replicate"):  # equal shares of tokens
+                C.all_reduce(loss, op="avg", group=groups[axis])
+            C.broadcast(loss, src=C.group_ranks(groups["pp"])[-1], group=groups["pp"])  # the last stage has it
+        stage.train()
+        return loss.item()
+
+    for it in range(run.start_iter, cfg.max_iters):
+        M.begin_iter(run, it, evaluate)
+        # ---------------------------------------------------------------- the training step
+        losses, norm = train_step(dp, stage, executor, train_plan, rows(it, "train"), cfg, groups, me)
+        # ---------------------------------------------------------------- end of the training step
+        state = state_bytes(dp, stage)
+        exposed = dict(exposed_shard_ms=dp.comm.exposed_ms()) if dp.comm else {}  # waited on dp_shard, this step
+        if dp.units and M.checkpoint_due(cfg, it + 1):
+            unshard(dp)  # the full weights and moments, for end_iter's checkpoint
+        logged = moe_stats(run, stage, me, groups["ep"], cfg.dispatch) if moe else {}
+        if "routed" in logged:  # alltoall: the bytes depend on the routing, this step's as the group routed it
+            formula["ep"] = axis_bytes(config, cfg, mesh, me.pp, logged.pop("routed"))["ep"] / ep
+        M.end_iter(run, loss=torch.stack(losses).mean() if losses else 0.0, grad_norm=norm, state_bytes=state,
+                   loss_ranks=last_stage, axes=groups, **{f"formula_bytes_{a}": formula[a] for a in sizes},
+                   peak_micro=executor.peak_held, act_bytes=executor.peak_bytes, **exposed, **logged)
+        free_units(dp)
+    if dp.units and cfg.save_path:
+        unshard(dp)
+    return M.finish(run)
+
+
+def moe_stats(run, stage, me, ep_group, dispatch):
+    """model.moe_log's fields (the experts' loads counted once: tp rank 0's), and under
+    alltoall `routed`, the rows this rank's ep group dispatched to each other in the step,
+    for the formula (an untracked all-reduce of one number: bookkeeping)."""
+    for m in M.moe_layers(stage):
+        if me.tp:
+            m.tally["expert_tokens"] = m.tally["expert_tokens"] * 0
+    logged = M.moe_log(run, stage)
+    if dispatch == "alltoall":
+        routed = torch.tensor([logged["sent_tokens"]], dtype=torch.float64, device=run.device)
+        with C.untracked():
+            C.all_reduce(routed, group=ep_group)
+        logged["routed"] = int(routed.item())
+    return logged
+
 
 # -----------------------------------------------------------------------------
 # the traffic, in code: shared with bench/plan_3d.py
@@ -406,646 +1055,6 @@ def state_per_rank(config, cfg, mesh, stage, shard_rank):
         real = min(max(n - shard_rank * size, 0), size)
         total += {3: 8 * size, 2: 4 * S * size + 4 * size, 1: 8 * S * size}[cfg.zero_stage] + 8 * real
     return total
-
-# -----------------------------------------------------------------------------
-# a pipeline stage made of tensor parallel pieces
-
-
-class Stage(nn.Module):
-    """Stage `stage` of `n_stages` (pipeline_parallel.Stage's blocks), each unit built
-    whole from the seed and cut to this rank's tensor parallel slice (tensor_parallel's
-    build), under model.GPT's parameter names. The last stage's head is its own copy of
-    this tp rank's slice of the tied matrix (lm_head.weight); one stage: the same one.
-    pos: this cp rank's global positions (None: all of them); ring: its attention's ring;
-    moe: MoE -> its layer on the mesh (MeshMoE), for --n_expert.
-    gather(unit): called before a unit ("ends", or a block's index) computes (ZeRO-3)."""
-
-    def __init__(self, config, stage, n_stages, seed, group, sp, n_virtual=1, pos=None, ring=None, moe=None):
-        super().__init__()
-        self.config, self.group, self.sp, self.pos, self.gather = config, group, sp, pos, lambda unit: None
-        self.recompute = "none"  # --recompute: what each block keeps for backward (model.recompute_block)
-        self.first, self.last = stage == 0, stage == n_stages - 1
-        self.n_chunks = n_stages * n_virtual  # pipeline_parallel.Stage's chunks: r, r+p, ...
-        self.chunks = {c: PP.stage_layers(config.n_layer, self.n_chunks, c)
-                       for c in range(stage, self.n_chunks, n_stages)}
-        self.transformer = nn.ModuleDict(dict(h=nn.ModuleDict(
-            {str(i): parallel_block(M.build_unit(config, i, seed), group, sp, moe) for c in self.chunks
-             for i in self.chunks[c]})))
-        if ring is not None:  # context parallel: model.py's attend() hook, as context_parallel.use_ring
-            for block in self.transformer["h"].values():
-                block.attn.attend = partial(CP.ring_attention, ring=ring)
-        if self.first:
-            emb = M.build_unit(config, "embed", seed)
-            self.transformer["wte"] = TP.VocabParallelEmbedding(emb.wte, group, sp)
-            self.transformer["wpe"] = emb.wpe
-        if self.last:
-            self.transformer["ln_f"] = M.build_unit(config, "ln_f", seed)
-            if not self.first:
-                self.lm_head = TP.VocabParallelEmbedding(M.build_unit(config, "embed", seed).wte, group, sp)
-
-    def head(self):
-        return self.transformer["wte"] if self.first else self.lm_head
-
-    def tied(self):
-        """This stage's copy of the tied matrix (its tp slice), None in the middle."""
-        return self.head().weight if self.first or self.last else None
-
-    def forward(self, x, targets=None, chunk=None):
-        """Token ids (b, s) on the first stage, else the previous stage's (s, b, h) (with
-        sequence parallelism (s/tp, b, h)); -> the same for the next stage, or the loss."""
-        t, g, sp, chunk = self.transformer, self.group, self.sp, next(iter(self.chunks)) if chunk is None else chunk
-        if chunk == 0 or chunk == self.n_chunks - 1:
-            self.gather("ends")
-        if chunk == 0 and self.pos is None:
-            x = TP.embed_forward(t["wte"], t["wpe"], x, g, sp, self.config.dropout, self.training)
-        elif chunk == 0:  # a cp rank's positions: the GLOBAL ones, as context_parallel.forward
-            x = F.dropout(t["wte"](x.t()) + t["wpe"](self.pos)[:, None], self.config.dropout, self.training)
-        for i in self.chunks[chunk]:
-            self.gather(i)  # once a step: the weights stay until the step's last backward, so a rerun finds them
-            x = M.recompute_block(partial(TP.block_forward, t["h"][str(i)]), x, self.recompute)
-        return TP.head_forward(t["ln_f"], self.head(), x, targets, g, sp) if chunk == self.n_chunks - 1 else x
-
-    def units(self):
-        """[(key, [(name, parameter)])]: the stage's ends (if any), then each block, a
-        mixture's experts left out (experts())."""
-        named = [(n, p) for n, p in self.named_parameters() if not hasattr(p, "ep_index")]
-        ends = [(n, p) for n, p in named if not n.startswith("transformer.h.")]
-        blocks = [(int(i), [(n, p) for n, p in named if n.startswith(f"transformer.h.{i}.")])
-                  for i in self.transformer["h"]]
-        return ([("ends", ends)] if ends else []) + blocks
-
-
-# -----------------------------------------------------------------------------
-# a mixture of experts on the mesh: expert_parallel's layer on the ep group
-
-
-class MeshMoE(EP.ExpertParallelMoE):
-    """expert_parallel's layer (E/ep experts here, the all-to-all or all-gather dispatch on
-    the ep group, the router replicated), in tensor parallel's (s, b, h) layout, not tp-split:
-    every tp rank runs the same tokens through the same experts, each in its own ep group.
-    Its balance loss is the one-process run's: per whole sequence (with cp, the sequence's
-    sums over the cp ring), its gradient added where the layer is (_AuxLoss): aux_scale =
-    aux_loss_coef / (layers · micro-batches). Its messages go on the ep group, a group of its
-    own even where its ranks are another axis' (ep = cp, or ep = dp_shard without cp):
-    collectives.py counts bytes by the group that sends them, so each axis logs its own."""
-
-    def __init__(self, moe, mode, wire_dtype, group, cp_group, aux_scale):
-        super().__init__(moe, mode, wire_dtype, group)
-        self.cp_group, self.aux_scale = cp_group, aux_scale
-        for p in self.experts.parameters():  # the checkpoint's slice: dim 0, the experts held here
-            p.ep_index = (0, self.first, self.first + self.local)
-
-    def forward(self, x):
-        s, b, h = x.shape
-        tokens = x.reshape(-1, h)  # position-major: only a capacity's drop order would care, and it is refused
-        probs, weights, chosen = M.route(self.router, tokens, self.config.top_k)
-        self.aux = balance_loss(probs.view(s, b, -1), chosen.view(s, b, -1), self.cp_group)
-        out, stats = self.run_experts(tokens, chosen)
-        y = (weights.unsqueeze(-1) * out).sum(1)
-        if self.training and not M.rerunning():
-            for name, v in dict(stats, aux_loss=self.aux.detach(), forwards=1).items():
-                self.tally[name] = self.tally.get(name, 0) + v
-        if torch.is_grad_enabled():
-            y = _AuxLoss.apply(y, self.aux, self.aux_scale)
-        return y.view(s, b, h).to(x.dtype)
-
-
-def balance_loss(probs, chosen, cp_group):
-    """model.balance_loss on (s, b, E) probabilities and (s, b, k) choices: E·Σ_e f_e·P_e per
-    sequence, averaged. With cp a sequence's positions lie on cp ranks: the per-sequence
-    counts and probability sums are summed over the ring first (one all-reduce of b·2E floats)."""
-    s, b, E = probs.shape
-    both = torch.cat([F.one_hot(chosen, E).sum((0, 2)).float(), probs.sum(0)], -1)  # (b, 2E)
-    if C.get_world_size(cp_group) > 1:
-        both = _SumShared.apply(both, cp_group)
-    f, P = both.split(E, -1)
-    T = s * C.get_world_size(cp_group)  # the whole sequence
-    return E * (f / (T * chosen.shape[-1]) * (P / T)).sum(-1).mean()
-
-
-class _SumShared(torch.autograd.Function):
-    """The sum over the group, which every rank then uses alike. Backward: the gradient times
-    n, no message: the n ranks' losses are the same function of the sum, so each rank's share
-    gets the same gradient from each, and the gradients' mean over the cp group divides by n."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.n = C.get_world_size(group)
-        out = x.clone()
-        C.all_reduce(out, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad * ctx.n, None
-
-
-class _AuxLoss(torch.autograd.Function):
-    """y unchanged; backward also gives the balance loss its gradient, `scale` (Megatron-Core's
-    MoEAuxLossAutoScaler): each stage's layers add their term to the objective where they are,
-    with nothing carried down the pipeline."""
-
-    @staticmethod
-    def forward(ctx, y, aux, scale):
-        ctx.scale = torch.full_like(aux, scale)
-        return y.view_as(y)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, ctx.scale, None
-
-
-def parallel_block(block, group, sp, moe=None):
-    """tensor_parallel's block; a mixture's block has only its attention tp-split, its MLP
-    the mesh's MoE layer (moe(block.mlp))."""
-    if moe is None:
-        return TP.parallel_block(block, group, sp)
-    block.attn.c_attn = TP.ColumnParallelLinear(block.attn.c_attn, group, sp, parts=3)
-    block.attn.c_proj = TP.RowParallelLinear(block.attn.c_proj, group, sp)
-    block.mlp = moe(block.mlp)
-    return block
-
-
-def experts(stage):
-    """[(name, parameter)]: this rank's experts, E/ep of each of the stage's MoE layers."""
-    return [(n, p) for n, p in stage.named_parameters() if hasattr(p, "ep_index")]
-
-
-class Executor(PP.Executor):
-    """pipeline_parallel's executor, which also arms the dp buckets' gradient hooks (None:
-    none) for the last micro-batch's weight gradients only (its backward, or its W under
-    --schedule=zb): the gradients are complete then, and the all-reduce of each bucket starts
-    as soon as they have filled it (ddp.py's overlap); earlier micro-batches only accumulate."""
-
-    def __init__(self, *args, buckets=None, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.buckets = buckets
-
-    def backward(self, a, *args):
-        if self.buckets is not None:
-            self.buckets.sync = a.micro == self.n_micro - 1
-        super().backward(a, *args)
-
-    def weight_grad(self, a, *args):
-        if self.buckets is not None:
-            self.buckets.sync = a.micro == self.n_micro - 1
-        super().weight_grad(a, *args)
-
-# -----------------------------------------------------------------------------
-# dp_shard: a stage's units sharded over the shard group (fsdp.py's ZeRO, on module parameters)
-
-
-class ShardedUnit:
-    """One unit of a stage, its parameters laid end to end in one flat float32 buffer padded
-    to a multiple of the shard group's S ranks (fsdp.Layout's rule); rank r keeps slice r,
-    its shard, with its gradient and Adam's state. The module's parameters are views into
-    the full buffer, which ZeRO-3 allocates only while the unit is gathered (the storage
-    shrinks to nothing when freed, as PyTorch's FSDP frees it, views and all). ZeRO-1/2 keep
-    it, the shard a slice of it; ZeRO-1 keeps the full gradient too, the .grads its views."""
-
-    def __init__(self, named, group, zero_stage, device):
-        self.names, self.params = [n for n, _ in named], [p for _, p in named]
-        self.group, self.zero = group, zero_stage
-        n, world = sum(p.numel() for p in self.params), C.get_world_size(group)
-        self.size = -(-n // world)
-        self.start = C.get_rank(group) * self.size
-        self.full = torch.zeros(self.size * world, device=device)
-        self.offsets, o = [], 0
-        for p in self.params:
-            self.full[o:o + p.numel()] = p.detach().reshape(-1)
-            p.data = self.full[o:o + p.numel()].view_as(p)
-            self.offsets.append(o)
-            o += p.numel()
-        self.nbytes = self.full.untyped_storage().nbytes()
-        mine = slice(self.start, self.start + self.size)
-        self.shard = self.full[mine] if zero_stage < 3 else self.full[mine].clone()
-        self.full_grad = torch.zeros_like(self.full) if zero_stage == 1 else None
-        self.grad = self.full_grad[mine] if zero_stage == 1 else torch.zeros(self.size, device=device)
-        self.gathered, self.held = True, []  # held: (parameter, its piece here, its offset, from, to)
-        if zero_stage == 3:
-            self.free()
-
-    def gather(self):
-        """All-gather the shards into the full buffer (ZeRO-3: allocated again first)."""
-        if self.zero == 3 and self.gathered:
-            return
-        self.full.untyped_storage().resize_(self.nbytes)
-        C.all_gather(self.full, self.shard, group=self.group)
-        self.gathered = True
-
-    def free(self):
-        self.full.untyped_storage().resize_(0)
-        self.gathered = False
-
-    def zero_grad(self):
-        """Before a step: ZeRO-1's full gradient zeroed and handed to autograd as views (it
-        accumulates into them in place); ZeRO-2/3: none, autograd allocates."""
-        if self.zero == 1:
-            self.full_grad.zero_()
-            for p, o in zip(self.params, self.offsets):
-                p.grad = self.full_grad[o:o + p.numel()].view_as(p)
-
-    def reduce_scatter(self):
-        """The unit's full gradient (every micro-batch's, summed) averaged over the shard
-        group into this rank's gradient shard; ZeRO-2/3 then drop the full gradient."""
-        flat = self.full_grad if self.zero == 1 else torch.cat(
-            [p.grad.reshape(-1) for p in self.params] + [self.full.new_zeros(self.full.numel() - self.offsets[-1]
-                                                                              - self.params[-1].numel())])
-        out = torch.empty_like(self.grad)
-        C.reduce_scatter(out, flat, op="avg", group=self.group)
-        self.grad.copy_(out)
-        if self.zero > 1:
-            for p in self.params:
-                p.grad = None
-
-    def pieces(self, counted):
-        """[(GPT's name, view of the shard, counted)] for the piece of each parameter in this
-        rank's shard (fsdp.Unit.optimizer_params); .grad the gradient shard's view. counted(p):
-        whether its squared norm counts on this rank (a tp replica once, the tied copy never)."""
-        out = []
-        for name, p, o in zip(self.names, self.params, self.offsets):
-            lo, hi = max(o, self.start), min(o + p.numel(), self.start + self.size)
-            if lo >= hi:
-                continue  # this parameter lies in other ranks' shards
-            piece, g = self.shard[lo - self.start:hi - self.start], self.grad[lo - self.start:hi - self.start]
-            if p.dim() >= 2:  # nanoGPT's decay rule looks at the shape: a piece of a matrix is a matrix
-                piece, g = piece.view(1, -1), g.view(1, -1)
-            piece.grad = g
-            out.append((name, piece, counted(p)))
-            self.held.append((p, piece, o, lo - o, hi - o))
-        return out
-
-
-class FullState:
-    """What model.py's checkpoints see of the sharded optimizer: its param_groups (the
-    learning rate), and a `state` keyed by the stage's full (tp-sliced) parameters, so a
-    checkpoint holds global tensors that any layout loads: unshard() fills it before a
-    save; restore() fills it from a checkpoint, and reshard() hands it to the shards."""
-
-    def __init__(self, optimizer):
-        self.optimizer, self.state = optimizer, {}
-
-    @property
-    def param_groups(self):
-        return self.optimizer.param_groups
-
-
-@torch.no_grad()
-def unshard(units, full_state):
-    """Every unit's full weights (ZeRO-3: gathered) and Adam's moments all-gathered over the
-    shard group into full-parameter tensors, for a checkpoint. Untracked: not training traffic."""
-    optimizer = full_state.optimizer
-    with C.untracked():
-        for u in units:
-            u.gather()
-            moments = {}
-            for m in M.MOMENTS:
-                flat = torch.zeros(u.size, device=u.shard.device)
-                for _, piece, o, lo, hi in u.held:
-                    flat[o + lo - u.start:o + hi - u.start] = optimizer.state[piece][m].reshape(-1)
-                moments[m] = torch.empty_like(u.full)
-                C.all_gather(moments[m], flat, group=u.group)
-            for p, o in zip(u.params, u.offsets):
-                full_state.state[p] = {m: moments[m][o:o + p.numel()].view_as(p) for m in M.MOMENTS}
-
-
-@torch.no_grad()
-def reshard(units, full_state, optimizer):
-    """After restore() loaded the full parameters and their moments: each rank keeps its shard
-    of both (and the step count), as the run had them when it saved."""
-    for u in units:
-        u.shard.copy_(u.full[u.start:u.start + u.size])
-        for p, piece, _, lo, hi in u.held:
-            state = full_state.state.get(p)
-            if state:
-                optimizer.state[piece] = dict(step=state["step"].clone(), **{
-                    m: state[m].reshape(-1)[lo:hi].reshape(piece.shape).clone() for m in M.MOMENTS})
-
-
-def average(tensors, group):
-    """Average tensors over a group, all packed in one float32 message."""
-    if C.get_world_size(group) == 1 or not tensors:
-        return
-    flat = torch.cat([t.reshape(-1) for t in tensors])
-    C.all_reduce(flat, op="avg", group=group)
-    for t, g in zip(tensors, flat.split([t.numel() for t in tensors])):
-        t.copy_(g.view_as(t))
-
-
-def checkpoint_entries(stage, tp_group, writer, expert_writer=False):
-    """tensor_parallel's entries (global names, tp slices, replicas written by tp rank 0),
-    written by the first rank of the data and context axes only; the last stage's tied copy
-    is transformer.wte.weight again, loaded but never written (pipeline_parallel's rule).
-    A mixture's experts: dim-0 slices of the global stacked tensors (expert_parallel's), written
-    by tp rank 0 of the first ep group of the data and context axes (expert_writer)."""
-    return [("transformer.wte.weight", p, index, False) if name == "lm_head.weight" else
-            (name, p, p.ep_index, write and expert_writer) if hasattr(p, "ep_index") else
-            (name, p, index, write and writer)
-            for name, p, index, write in TP.checkpoint_entries(stage, tp_group)]
-
-
-def counted_once(stage, tp_group):
-    """Whether a parameter's squared gradient norm counts on this rank: each tp slice, the
-    replicas on tp rank 0 only, never the last stage's tied copy."""
-    copy = stage.tied() if stage.last and not stage.first else None
-    first = C.get_rank(tp_group) == 0
-    return lambda p: p is not copy and (hasattr(p, "tp_index") or first)
-
-
-def clip_global_norm(stage, max_norm, tp_group, pp_group, extra=None):
-    """The norm of the whole model's gradient, each parameter once: tensor_parallel's
-    squared norm over the tp group (shards, and replicas on tp rank 0), without the last
-    stage's tied copy; summed over tp, then over pp (one float each); never over dp or cp.
-    extra: (squares, gradients) of a mixture's experts (expert_sq), added to the sum."""
-    if not max_norm:
-        return 0.0
-    sharded, replicated = TP.split_params(stage)
-    replicated = [p for p in replicated if not hasattr(p, "ep_index")]
-    copy = stage.tied() if stage.last and not stage.first else None
-    sq = TP.grad_sq_norm([p for p in sharded if p is not copy], replicated, tp_group)
-    sq, grads = (sq + extra[0], extra[1]) if extra else (sq, [])
-    return M.clip_by_global_norm(sq, [p.grad for p in sharded + replicated] + grads, max_norm, [tp_group, pp_group])
-
-
-def clip_shards(pieces, max_norm, groups, extra=None):
-    """The same norm from the gradient shards: every element of a unit lies in one rank's
-    shard of the dp_shard group, so its squares are summed over dp_shard, tp and pp."""
-    if not max_norm:
-        return 0.0
-    sq = torch.stack([p.grad.pow(2).sum() if counted else p.grad.new_zeros(()) for _, p, counted in pieces]).sum()
-    sq, grads = (sq + extra[0], extra[1]) if extra else (sq, [])
-    return M.clip_by_global_norm(sq, [p.grad for _, p, _ in pieces] + grads, max_norm, groups)
-
-
-def expert_sq(params, me, ep_group):
-    """The experts' share of the squared norm, (squares, gradients): each ep group holds
-    every expert of its stage once, so their squares summed over it (one float, on ep) are
-    the stage's; counted on one rank of the sums that follow (tp, dp_shard and pp: tp rank 0
-    at dp_shard 0), 0 elsewhere."""
-    sq = torch.stack([p.grad.pow(2).sum() for p in params]).sum()
-    C.all_reduce(sq, group=ep_group)
-    return sq * (me.tp == me.dp_shard == 0), [p.grad for p in params]
-
-
-def state_bytes(units, stage, optimizer):
-    """Parameters, gradients and Adam's state resident on this rank, each storage counted once
-    (a shard that is a slice of the full weights is no copy; freed weights hold nothing)."""
-    kept = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-            for t in [p for p in stage.parameters()] + [p.grad for p in stage.parameters() if p.grad is not None]
-            + [t for u in units for t in (u.shard, u.grad, u.full_grad) if t is not None]}
-    return sum(kept.values()) + M.optimizer_state_bytes(optimizer)
-
-# -----------------------------------------------------------------------------
-# the run
-
-
-def layout(cfg, config, world, check=True):
-    """-> the Mesh, or (check) one line and exit on every rank (before any message)."""
-    pp, S, cp, tp = cfg.pp, cfg.dp_shard, cfg.cp, cfg.tp
-    R = cfg.dp_replicate
-    rest = pp * S * cp * tp
-    if not R and world % rest:
-        M.die(f"--pp={pp} x --dp_shard={S} x --cp={cp} x --tp={tp} = {rest} ranks does not divide the world "
-              f"size {world}")
-    mesh = Mesh(pp, R or world // rest, S, cp, tp)
-    if not check:
-        return mesh
-    if world_of(mesh) != world:
-        M.die(" x ".join(f"--{a}={n}" for a, n in mesh._asdict().items()) + f" = {world_of(mesh)} ranks, "
-              f"but the world has {world}: their product must equal the world size")
-    if config.n_head % tp or config.vocab_size % tp:
-        M.die(f"--tp={tp} must divide the {config.n_head} heads and the padded vocabulary ({config.vocab_size})")
-    if cfg.sequence_parallel and config.block_size % tp:
-        M.die(f"--sequence_parallel needs --block_size ({config.block_size}) divisible by --tp={tp}")
-    parts = cp * (2 if cfg.layout == "zigzag" else 1)
-    if config.block_size % parts:
-        M.die(f"--cp={cp} needs --block_size ({config.block_size}) divisible into {parts} equal chunks "
-              f"({cfg.layout} layout{', two chunks a rank' if cfg.layout == 'zigzag' else ''})")
-    if pp > config.n_layer:
-        M.die(f"--pp={pp} stages but the model has {config.n_layer} blocks: each stage needs at least one")
-    if cfg.schedule == "zb" and (tp > 1 or cp > 1):  # W walks backward again: tp's and the ring's messages twice
-        M.die("--schedule=zb needs --tp=1 and --cp=1 here: its W re-runs the backward, tensor parallel's "
-              "all-reduces and the ring with it")
-    v = PP.virtual_stages(cfg)
-    if cfg.schedule == "interleaved" and (v < 1 or cfg.n_micro % pp or pp * v > config.n_layer):
-        M.die(f"--schedule=interleaved needs --n_micro ({cfg.n_micro}) divisible by --pp={pp} and --pp x "
-              f"--virtual_stages={v} chunks of at least one of the {config.n_layer} blocks each")
-    ep, E = cfg.ep, config.n_expert
-    if E and (E % ep or S * cp % ep):
-        M.die(f"--ep={ep} must divide the {E} experts (--n_expert) and --dp_shard x --cp = {S * cp}, "
-              f"the ranks it borrows")
-    if E and (cfg.schedule == "zb" or cfg.recompute == "full" or cfg.sequence_parallel or cfg.capacity_factor):
-        M.die("--n_expert here: not with --schedule=zb or --recompute=full (each runs the experts' all-to-alls "
-              "again), --sequence_parallel (not yet), or --capacity_factor (its drop order is the whole global "
-              "micro-batch's, which no ep group sees: expert_parallel.py has it)")
-    dp = mesh.dp_replicate * S
-    if cfg.batch_size % (dp * cfg.n_micro):
-        M.die(f"--batch_size={cfg.batch_size} does not divide into {dp} data parallel ranks "
-              f"(--dp_replicate x --dp_shard) x {cfg.n_micro} micro-batches")
-    return mesh
-
-
-def main(argv=None):
-    cfg = M.parse_args(DEFAULTS, argv, __doc__)
-    if min(cfg.tp, cfg.pp, cfg.cp, cfg.dp_shard) < 1 or cfg.dp_replicate < 0:
-        M.die("--pp, --dp_shard, --cp and --tp must be at least 1, --dp_replicate at least 0 (0: the rest)")
-    if cfg.schedule not in PP.SCHEDULES:
-        M.die(f"--schedule takes {', '.join(PP.SCHEDULES)}, not {cfg.schedule!r}")
-    if cfg.schedule == "zb" and cfg.recompute == "full":
-        M.die(PP.ZB_FULL)
-    if cfg.layout not in CP.LAYOUTS:
-        M.die(f"--layout takes {' or '.join(CP.LAYOUTS)}, not {cfg.layout!r}")
-    if cfg.zero_stage not in (1, 2, 3):
-        M.die(f"--zero_stage takes 1, 2 or 3, not {cfg.zero_stage}")
-    cfg.n_micro = cfg.n_micro or (2 * cfg.pp if cfg.pp > 1 else 1)  # a pipeline needs m >= pp to fill
-    if cfg.n_micro < 1 or cfg.bucket_mb <= 0:
-        M.die("--n_micro must be at least 1 and --bucket_mb positive")
-    if cfg.cp > 1 and (cfg.sequence_parallel or cfg.dropout):
-        M.die("--cp > 1 needs --sequence_parallel=False and --dropout=0: the ring holds whole sequences' "
-              "chunks, and its backward recomputes the attention weights without forward's masks")
-    if cfg.dp_shard > 1 and cfg.compile:
-        M.die("--compile with --dp_shard > 1: not yet (the units' weights come and go between steps)")
-    if cfg.ep < 1 or (cfg.ep > 1 and not cfg.n_expert) or cfg.dispatch not in EP.DISPATCH:
-        M.die(f"--ep={cfg.ep} must be at least 1, and more than 1 only with --n_expert (a mixture of experts); "
-              f"--dispatch takes {' or '.join(EP.DISPATCH)}, not {cfg.dispatch!r}")
-
-    run = M.start(cfg, "parallel_nd", moe=True)
-    rank, world, device, config = run.rank, run.world, run.device, run.config
-    mesh = layout(cfg, config, world)
-    v = PP.virtual_stages(cfg)  # the chunks a stage holds
-    sp, n_micro, S, R = cfg.sequence_parallel, cfg.n_micro, mesh.dp_shard, mesh.dp_replicate
-    me = coords(rank, mesh)
-    moe, ep = bool(config.n_expert), cfg.ep
-    groups = make_groups(rank, mesh, ep if moe else 0)
-    tp_group, cp_group, shard_group, rep_group, pp_group = (groups[a] for a in ("tp", "cp", "dp_shard",
-                                                                               "dp_replicate", "pp"))
-    last_stage = [r for r in range(world) if coords(r, mesh).pp == mesh.pp - 1]
-    print_mesh(groups, mesh)
-
-    ring = CP.Ring(cp_group, cfg.layout) if mesh.cp > 1 else None
-    pos = CP.positions(config.block_size, me.cp, mesh.cp, cfg.layout, device) if ring else None
-    make_moe = None
-    if moe:  # expert_parallel's layer on the ep group
-        ep_group, ep_dp_group = groups["ep"], groups["ep_dp"]
-        wire = torch.bfloat16 if cfg.dtype == "bfloat16" else None  # the rows travel in the compute dtype
-        make_moe = partial(MeshMoE, mode=cfg.dispatch, wire_dtype=wire, group=ep_group, cp_group=cp_group,
-                           aux_scale=config.aux_loss_coef / (config.n_layer * n_micro))
-    stage = Stage(config, me.pp, mesh.pp, cfg.seed, tp_group, sp, v, pos, ring, make_moe).to(device)
-    stage.recompute = cfg.recompute
-    expert_named = experts(stage)  # kept whole (E/ep of each layer), out of the ZeRO units and the buckets
-    expert_params = [p for _, p in expert_named]
-    params = [p for p in stage.parameters() if not hasattr(p, "ep_index")]
-    sharded, replicated = TP.split_params(stage)
-    units, buckets = [], None
-    if S > 1:  # dp_shard: fsdp's units on this stage's tp slices; the optimizer steps on the shards
-        units = [ShardedUnit(named, shard_group, cfg.zero_stage, device) for _, named in stage.units()]
-        by_key = dict(zip([key for key, _ in stage.units()], units))
-        if cfg.zero_stage == 3:
-            stage.gather = lambda key: by_key[key].gather()  # just in time, once a step
-        pieces = [piece for u in units for piece in u.pieces(counted_once(stage, tp_group))]
-        optimizer = M.make_optimizer([(name, p) for name, p, _ in pieces] + expert_named, cfg, device)
-    else:  # the dp_replicate all-reduce: ddp.py's buckets on this rank's parameters
-        buckets = DDP.GradBuckets(params, cfg.bucket_mb, cfg.overlap, rep_group) if R > 1 else None
-        optimizer = M.make_optimizer(stage.named_parameters(), cfg, device)
-    run.layout = dict(mesh._asdict(), zero_stage=cfg.zero_stage, layout=cfg.layout, schedule=cfg.schedule,
-                      n_micro=n_micro, sequence_parallel=sp, **(dict(ep=ep, dispatch=cfg.dispatch) if moe else {}))
-    def free_units():  # ZeRO-3: a unit's full weights live only from its first use in a step to the step's end
-        if cfg.zero_stage == 3:
-            for u in units:
-                u.free()
-
-    writer = me.dp_replicate == me.dp_shard == me.cp == 0
-    entries = checkpoint_entries(stage, tp_group, writer, me.dp_replicate == 0 and me.dp_shard * mesh.cp + me.cp < ep)
-    if S > 1:  # the checkpoint holds full tensors: load them into the full weights, then keep the shards
-        full_state = FullState(optimizer)
-        with C.untracked():
-            for u in units:
-                u.gather()  # ZeRO-3: the full weights for now, to load into (or to keep, with nothing to load)
-        M.restore(run, entries, full_state)
-        reshard(units, full_state, optimizer)
-        optimizer.state.update({p: full_state.state[p] for p in expert_params if p in full_state.state})
-        full_state.state.clear()
-        free_units()
-    else:
-        M.restore(run, entries, optimizer)  # both tied copies are loaded
-    b = cfg.batch_size // (R * S * n_micro)
-    s = config.block_size // mesh.cp
-    act_shape = (s // mesh.tp if sp else s, b, config.n_embd)
-    executor = Executor(stage, act_shape, n_micro, run.autocast, torch.compile(stage) if cfg.compile else None,
-                        pp_group, buckets=buckets if cfg.overlap else None)
-    train_plan = PP.plan(cfg.schedule, mesh.pp, n_micro, me.pp, v)
-    eval_plan = PP.plan(cfg.schedule, mesh.pp, n_micro, me.pp, v, train=False)
-    sizes = dict(mesh._asdict(), **({"ep": ep, "ep_dp": S * mesh.cp // ep} if moe else {}))
-    formula = {a: axis_bytes(config, cfg, mesh, stage=me.pp)[a] / n for a, n in sizes.items()}
-    if rank == 0:
-        print(f"parallel_nd: " + " x ".join(f"{a}={n}" for a, n in mesh._asdict().items()) + f" = {world} ranks"
-              f"{f', ZeRO-{cfg.zero_stage}' if S > 1 else ''}{f', {cfg.layout} ring' if ring else ''}"
-              f"{', sequence parallel' if sp else ''}"
-              f"{f', {config.n_expert} experts over ep={ep} ({cfg.dispatch})' if moe else ''}, "
-              f"{M.param_count(config) / 1e6:.2f}M parameters, schedule "
-              f"{cfg.schedule}, {n_micro} micro-batches of {b} x {s} tokens per pipeline, bubble "
-              f"{PP.bubble(cfg.schedule, mesh.pp, n_micro, v):.1%}")
-
-    def rows(step, split):  # this data rank's rows of the global batch, its cp positions, in micro-batches
-        batch = partial(M.batch, run, step, split, n_micro=n_micro, dp_rank=me.dp_replicate * S + me.dp_shard,
-                        dp_size=R * S)
-        return batch if pos is None else lambda k: tuple(t[:, pos] for t in batch(k))
-
-    @torch.no_grad()
-    def evaluate():
-        stage.eval()
-        losses = []
-        with C.untracked():  # bookkeeping, not training traffic
-            for k in range(cfg.eval_iters):
-                losses += executor.run(eval_plan, rows(k, "val"), train=False)
-            free_units()
-            loss = torch.stack(losses).mean() if stage.last else torch.zeros((), device=device)
-            for group in (cp_group, shard_group, rep_group):  # equal shares of tokens
-                C.all_reduce(loss, op="avg", group=group)
-            C.broadcast(loss, src=C.group_ranks(pp_group)[-1], group=pp_group)  # only the last stage has it
-        stage.train()
-        return loss.item()
-
-    for it in range(run.start_iter, cfg.max_iters):
-        M.begin_iter(run, it, evaluate)
-        # ---------------------------------------------------------------- the training step
-        if buckets:
-            buckets.zero()
-            buckets.sync = not cfg.overlap
-        elif S > 1:
-            for u in units:
-                u.zero_grad()
-        else:
-            optimizer.zero_grad(set_to_none=True)
-        for p in expert_params if S > 1 or buckets else []:
-            p.grad = None
-        losses = executor.run(train_plan, rows(it, "train"))
-        if buckets:
-            buckets.reduce()             # dp_replicate: the average over the replicas (waits for the overlapped ones)
-        if sp:
-            TP.sum_replicated_grads(replicated, tp_group)  # tp: replicas saw only their positions
-        PP.sum_tied_grads(stage, pp_group)                   # pp: the tie, between the two ends
-        if S > 1:
-            for u in units:
-                u.reduce_scatter()       # dp_shard: each unit's gradient into this rank's shard
-            free_units()
-            grads = [u.grad for u in units]
-            average(grads, cp_group)     # cp: each rank saw its positions' share of the tokens
-            average(grads, rep_group)    # dp_replicate: HSDP's all-reduce of the shards
-        else:
-            average(buckets.buffers if buckets else [p.grad for p in params], cp_group)
-        extra = None
-        if moe:  # an expert's gradient arrived from its ep group's tokens: summed over the other data ranks
-            grads = [p.grad for p in expert_params]
-            average(grads, ep_dp_group)  # ep_dp: the ranks that hold the same experts
-            average(grads, rep_group)
-            for g in grads:  # the mean over the R·S·cp data ranks: ep of them were summed already
-                g.div_(ep)
-            extra = expert_sq(expert_params, me, ep_group) if cfg.grad_clip else None
-        if S > 1:
-            norm = clip_shards(pieces, cfg.grad_clip, [shard_group, tp_group, pp_group], extra)
-        else:
-            norm = clip_global_norm(stage, cfg.grad_clip, tp_group, pp_group, extra)
-        optimizer.step()
-        if S > 1 and cfg.zero_stage < 3:
-            for u in units:
-                u.gather()               # ZeRO-1/2: every rank needs the updated full weights again
-        # ---------------------------------------------------------------- end of the training step
-        if S > 1:
-            state = state_bytes(units, stage, optimizer)
-        else:
-            grads = (buckets.buffers if buckets else [p.grad for p in params]) + [p.grad for p in expert_params]
-            state = M.tensor_bytes(params + expert_params) + M.tensor_bytes(grads) + M.optimizer_state_bytes(optimizer)
-        if S > 1 and M.checkpoint_due(cfg, it + 1):
-            unshard(units, full_state)  # the full weights and moments, for end_iter's checkpoint
-            full_state.state.update({p: optimizer.state[p] for p in expert_params})
-        logged = moe_stats(run, stage, me, ep_group, cfg.dispatch) if moe else {}
-        if "routed" in logged:  # alltoall: the bytes depend on the routing, this step's as the group routed it
-            formula["ep"] = axis_bytes(config, cfg, mesh, me.pp, logged.pop("routed"))["ep"] / ep
-        M.end_iter(run, loss=torch.stack(losses).mean() if losses else 0.0, grad_norm=norm, state_bytes=state,
-                   loss_ranks=last_stage, axes=groups, **{f"formula_bytes_{a}": formula[a] for a in sizes},
-                   peak_micro=executor.peak_held, act_bytes=executor.peak_bytes, **logged)
-        free_units()
-    if S > 1 and cfg.save_path:
-        unshard(units, full_state)
-        full_state.state.update({p: optimizer.state[p] for p in expert_params})
-    return M.finish(run)
-
-
-def moe_stats(run, stage, me, ep_group, dispatch):
-    """model.moe_log's fields (the experts' loads counted once: tp rank 0's), and under
-    alltoall `routed`, the rows this rank's ep group dispatched to each other in the step,
-    for the formula (an untracked all-reduce of one number: bookkeeping)."""
-    for m in M.moe_layers(stage):
-        if me.tp:
-            m.tally["expert_tokens"] = m.tally["expert_tokens"] * 0
-    logged = M.moe_log(run, stage)
-    if dispatch == "alltoall":
-        routed = torch.tensor([logged["sent_tokens"]], dtype=torch.float64, device=run.device)
-        with C.untracked():
-            C.all_reduce(routed, group=ep_group)
-        logged["routed"] = int(routed.item())
-    return logged
 
 
 if __name__ == "__main__":

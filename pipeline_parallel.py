@@ -374,44 +374,6 @@ def clip_global_norm(stage, max_norm, group=None):
     return M.clip_by_global_norm(sq, [p.grad for p in params], max_norm, [group])
 
 
-def activation_per_rank(config, cfg, world):
-    """The bytes autograd keeps for backward on each stage at its peak (the log's act_bytes),
-    one pipeline of `world` stages without virtual stages: the micro-batches it holds at most
-    (GPipe m, 1F1B min(p - r, m), ZB-H1 min(p, m): max_held) x one micro-batch's bytes for
-    its blocks (model.activation_bytes), the embedding on the first stage, the head on the last."""
-    d = 2 if cfg.dtype == "bfloat16" else 4
-    n, out = cfg.batch_size // cfg.n_micro * config.block_size, []
-    for r in range(world):
-        layers = len(stage_layers(config.n_layer, world, r))
-        micro = (M.activation_bytes(config, n, getattr(cfg, "recompute", "none"), dtype_bytes=d, layers=layers)
-                 + M.ends_bytes(config, n, config.block_size, embed=r == 0, head=r == world - 1, dtype_bytes=d))
-        out.append(max_held(schedule(cfg.schedule, world, cfg.n_micro, r)) * micro)
-    return out
-
-
-def traffic_per_rank(config, cfg, world):
-    """Bytes a rank sends per step, on average over the p ranks. What is sent, and in which
-    dtype under each --dtype:
-
-      message                        numbers per step                       float32  bfloat16
-      activations, their gradients   2·B·s·h across each of the p·v-1 chunk  float32  float32 (1)
-                                     boundaries (m·b·s·h each way): v = 1
-                                     but for interleaved, whose v chunks a
-                                     rank multiply the p-1 crossings by
-                                     (p·v-1)/(p-1), about v
-      the tied matrix's gradient     V·h from each of the two ends          float32  float32 (2)
-      the squared gradient norm      1 per stage, all_reduced: a tree       float32  float32
-                                     sends 2(p-1) in all
-    (1) BOUNDARY_DTYPE: the residual stream, which bf16 autocast keeps in float32.
-    (2) autocast computes in bf16 but keeps the parameters and their gradients float32.
-    So a step sends the same bytes under both."""
-    if world == 1:
-        return 0
-    act = 2 * (world * virtual_stages(cfg) - 1) * cfg.batch_size * config.block_size * config.n_embd * BOUNDARY_DTYPE.itemsize
-    tie = 2 * config.vocab_size * config.n_embd * 4
-    norm = 2 * (world - 1) * 4 if cfg.grad_clip else 0
-    return (act + tie + norm) / world
-
 # -----------------------------------------------------------------------------
 # the run
 
@@ -664,6 +626,45 @@ def gather_timelines(times, name, n_micro, v, device, group=None):
         return None
     return [[(a, t0, t1) for a, (t0, t1) in zip(schedule(name, len(ranks), n_micro, r, v), row.view(-1, 2).tolist())]
             for r, row in enumerate(rows.view(len(ranks), -1))]
+
+
+def activation_per_rank(config, cfg, world):
+    """The bytes autograd keeps for backward on each stage at its peak (the log's act_bytes),
+    one pipeline of `world` stages without virtual stages: the micro-batches it holds at most
+    (GPipe m, 1F1B min(p - r, m), ZB-H1 min(p, m): max_held) x one micro-batch's bytes for
+    its blocks (model.activation_bytes), the embedding on the first stage, the head on the last."""
+    d = 2 if cfg.dtype == "bfloat16" else 4
+    n, out = cfg.batch_size // cfg.n_micro * config.block_size, []
+    for r in range(world):
+        layers = len(stage_layers(config.n_layer, world, r))
+        micro = (M.activation_bytes(config, n, getattr(cfg, "recompute", "none"), dtype_bytes=d, layers=layers)
+                 + M.ends_bytes(config, n, config.block_size, embed=r == 0, head=r == world - 1, dtype_bytes=d))
+        out.append(max_held(schedule(cfg.schedule, world, cfg.n_micro, r)) * micro)
+    return out
+
+
+def traffic_per_rank(config, cfg, world):
+    """Bytes a rank sends per step, on average over the p ranks. What is sent, and in which
+    dtype under each --dtype:
+
+      message                        numbers per step                       float32  bfloat16
+      activations, their gradients   2·B·s·h across each of the p·v-1 chunk  float32  float32 (1)
+                                     boundaries (m·b·s·h each way): v = 1
+                                     but for interleaved, whose v chunks a
+                                     rank multiply the p-1 crossings by
+                                     (p·v-1)/(p-1), about v
+      the tied matrix's gradient     V·h from each of the two ends          float32  float32 (2)
+      the squared gradient norm      1 per stage, all_reduced: a tree       float32  float32
+                                     sends 2(p-1) in all
+    (1) BOUNDARY_DTYPE: the residual stream, which bf16 autocast keeps in float32.
+    (2) autocast computes in bf16 but keeps the parameters and their gradients float32.
+    So a step sends the same bytes under both."""
+    if world == 1:
+        return 0
+    act = 2 * (world * virtual_stages(cfg) - 1) * cfg.batch_size * config.block_size * config.n_embd * BOUNDARY_DTYPE.itemsize
+    tie = 2 * config.vocab_size * config.n_embd * 4
+    norm = 2 * (world - 1) * 4 if cfg.grad_clip else 0
+    return (act + tie + norm) / world
 
 
 if __name__ == "__main__":

@@ -5,6 +5,14 @@ Adam) each rank holds, on one model and batch.
 
     python bench/parallel_nd_bench.py                      # 8 CPU ranks over gloo, several minutes on 2 cores
     python bench/parallel_nd_bench.py --iters 4 --zero_stage 2 --layout contiguous
+    python bench/parallel_nd_bench.py --shard_overlap      # dp_shard's exposed communication, sync vs overlapped
+
+--shard_overlap: dp_shard 2 x tp 2 and pp 2 x dp_shard 2 on 4 ranks, each with --overlap=False
+(every all-gather waited for where it is issued, every reduce-scatter after the last backward)
+and --overlap=True (the next unit's all-gather issued while one computes, each unit's
+reduce-scatter as its gradient completes), in one start of the ranks: the milliseconds a step
+each rank waited on dp_shard's messages (the log's exposed_shard_ms, the most of any rank),
+ms/step, and whether the two runs' losses are the same.
 
 All layouts run in one start of 8 processes (tests/harness.spawn), one after the other,
 on a synthetic 192-token vocabulary (the tests' data: with GPT-2's 50k vocabulary the
@@ -58,7 +66,10 @@ def main():
     ap.add_argument("--zero_stage", type=int, default=3)
     ap.add_argument("--layout", default="zigzag")
     ap.add_argument("--timeout", type=int, default=3600)
+    ap.add_argument("--shard_overlap", action="store_true")
     args = ap.parse_args()
+    if args.shard_overlap:
+        return shard_overlap(args)
     import model as M
     import parallel_nd as P
     M.PRESETS["bench8"] = SHAPE
@@ -91,6 +102,28 @@ def main():
         print(" ".join(f"{n:>5}" for n in mesh) + f" {statistics.median(r['dt_ms'] for r in records[1:]):>8.1f} "
               + " ".join(f"{mb[a]:>8.3f}" for a in P.AXES) + f" {'yes' if exact else 'NO':>9} {kept:>13} "
               f"{last['loss']:>7.4f}")
+
+
+def shard_overlap(args):
+    import model as M
+    M.PRESETS["bench8"] = SHAPE
+    layouts = {"dp_shard 2 x tp 2": ["--dp_shard=2", "--tp=2"], "pp 2 x dp_shard 2": ["--pp=2", "--dp_shard=2"]}
+    with tempfile.TemporaryDirectory() as tmp:
+        data = make_dataset(os.path.join(tmp, "data"))
+        base = ["--model=bench8", f"--data_dir={data}", f"--batch_size={args.batch_size}", f"--max_iters={args.iters}",
+                "--eval_interval=0", "--log_interval=0", "--dtype=float32", f"--zero_stage={args.zero_stage}",
+                "--dp_replicate=1"]
+        runs = [((name, overlap), base + flags + [f"--overlap={overlap}"])
+                for name, flags in layouts.items() for overlap in (False, True)]
+        results = spawn(_child, 4, runs, timeout=args.timeout)[0]
+    print(f"4 CPU ranks over gloo, {SHAPE}, batch {args.batch_size}, ZeRO-{args.zero_stage}; medians of iterations "
+          f"1..{args.iters - 1}")
+    print(f"{'layout':>18} {'overlap':>8} {'exposed dp_shard ms':>20} {'ms/step':>8} {'same losses':>12}")
+    for (name, overlap), _ in runs:
+        records, sync = results[name, overlap], results[name, False]
+        same = [r["loss"] for r in records] == [r["loss"] for r in sync]
+        print(f"{name:>18} {str(overlap):>8} {statistics.median(max(r['exposed_shard_ms']) for r in records[1:]):>20.1f} "
+              f"{statistics.median(r['dt_ms'] for r in records[1:]):>8.1f} {'yes' if same else 'NO':>12}")
 
 
 if __name__ == "__main__":

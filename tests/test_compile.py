@@ -12,6 +12,7 @@ import functools
 import importlib
 import io
 
+import pytest
 import torch
 
 import model as M
@@ -31,3 +32,27 @@ def test_each_strategy_compiles_and_trains_as_in_eager_mode(train_args, monkeypa
             eager = [r["loss"] for r in main(train_args + steps + flags)]
             compiled = [r["loss"] for r in main(train_args + steps + flags + ["--compile=True"])]
         assert len(compiled) == 2 and max(abs(a - b) for a, b in zip(eager, compiled)) < 1e-5, (name, eager, compiled)
+
+
+def _dp_shard(rank, world, train_args, steps):
+    """parallel_nd --dp_shard=2 eager and compiled (aot_eager, restored after: the ranks are pooled)."""
+    import parallel_nd
+    compile_ = torch.compile
+    torch.compile = functools.partial(compile_, backend="aot_eager")
+    M.PRESETS.setdefault("tiny_2", dict(M.PRESETS["tiny"], n_layer=2))
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            return {mode: [r["loss"] for r in parallel_nd.main(train_args + steps + ["--dp_shard=2", "--dp_replicate=1"]
+                                                              + flags)]
+                    for mode, flags in [("eager", []), ("compiled", ["--compile=True"])]}
+    finally:
+        torch.compile = compile_
+
+
+def test_parallel_nd_compiles_with_dp_shard(train_args):
+    """--compile with --dp_shard=2 (ZeRO-3: the units' weights come and go between the compiled
+    graphs; their gathers run between them): the same losses as eager, at 2 ranks."""
+    from harness import spawn
+    steps = ["--model=tiny_2", "--max_iters=2", "--eval_interval=0"]
+    losses = spawn(_dp_shard, 2, train_args, steps, timeout=600)[0]
+    assert len(losses["compiled"]) == 2 and losses["compiled"] == pytest.approx(losses["eager"], abs=1e-5), losses

@@ -230,20 +230,34 @@ def test_compile_matches_reference(train_args, reference, monkeypatch):
 
 
 @pytest.mark.quick
-def test_free_releases_memory_whoever_holds_the_tensor():
-    """max_gathered_units counts buffers that hold memory: a freed buffer stops counting even
-    while something still refers to it; one that is not freed keeps counting."""
+def test_unit_frees_and_gathers_under_the_graph():
+    """A unit's parameters are views into its flat buffer: free() releases the memory even while
+    autograd's graph still refers to a parameter, gather() fills the same storage again and the
+    kept graph runs on it; LiveUnits counts the units that hold memory. And the .grad contract:
+    a caller's zero_grad(set_to_none=True) on the optimizer's pieces must not leave a piece
+    without the gradient the reduce-scatter wrote (it would not train)."""
     import fsdp
     live = fsdp.LiveUnits()
-    a, b = torch.empty(1000), torch.empty(1000)
-    live.allocated([a])
-    kept = a.view(-1)  # as autograd's graph or the communication thread's last job would
-    fsdp.free([a])
-    assert kept.untyped_storage().nbytes() == 0
-    live.allocated([b])
+    a, b = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)
+    ua, ub = (fsdp.Unit(list(m.named_parameters()), None, 3, "cpu", live=live) for m in (a, b))
+    want = a.weight.detach().clone() if a.weight.untyped_storage().nbytes() else None
+    assert want is None and live.peak == 0  # ZeRO-3: nothing held until gathered
+    ua.gather()
+    x = torch.ones(2, 4, requires_grad=True)
+    y = a(x).sum()  # the graph keeps a.weight
+    ua.free()
+    assert a.weight.untyped_storage().nbytes() == 0
+    ub.gather()
     assert live.peak == 1
-    live.allocated([torch.empty(10)])  # b is still alive
+    ua.gather()
     assert live.peak == 2
+    gx, gw = torch.autograd.grad(y, [x, a.weight])
+    assert torch.equal(gx, a.weight.sum(0).expand(2, 4)) and torch.equal(gw, torch.full((3, 4), 2.0))
+    pieces = ua.pieces()
+    for _, piece, *_ in pieces:
+        piece.grad = None  # optimizer.zero_grad()
+    fsdp.add_reduced(ua.reduce_scatter(ua.flat_grads([gw, torch.ones(3)])))
+    assert all(piece.grad is not None and piece.grad.abs().sum() > 0 for _, piece, *_ in pieces)
 
 
 @pytest.mark.quick
