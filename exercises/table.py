@@ -93,20 +93,24 @@ EXERCISES = [
         "zero12_step: zero every unit's u.full_grad, run zero12_micro_step(net, x, y, 1/accum) for each of the "
         "run.cfg.grad_accum micro-batches (M.batch(run, it, 'train', m, accum, rank, world) on net.group) and sum "
         "the loss / accum and take the max of act. Stage 1 then reduce-scatters each unit's full gradient once "
-        "(reduce_scatter_grad), the next unit's starting before the previous one is added in "
+        "(u.reduce_scatter(u.full_grad)), the next unit's starting before the previous one is added in "
         "(add_reduced(..., replace=True)). -> (loss, act). gather_full_weights: every unit all-gathers its shards "
-        "into u.full (u.all_gather(u.full, net.group)).",
+        "into its full buffers (u.gather()).",
         [("train", "fsdp", ["--zero_stage=1"])], (2, 3)),
     Exercise(
-        "fsdp_unit", "fsdp.py", ["reduce_scatter_grad", "add_reduced", "Gathers.take"],
+        "fsdp_unit", "fsdp.py", ["Unit.gather", "Unit.free", "Unit.reduce_scatter", "add_reduced"],
         "FSDP's unit: gather it before it computes, free it after, reduce-scatter its gradient",
         40,
-        "Gathers.take(u): if nothing is issued ahead, issue one (self._issue()); pop the oldest issued "
-        "(unit, full, handles), check it is u (every rank gathers in one order), wait for the handles, return "
-        "full. reduce_scatter_grad(u, grads, group): for each gradient (in fp32) start C.reduce_scatter into a "
-        "new tensor of numel/N with op='avg', async_op=True; return (u, [(out, g, handle), ...]). "
+        "Unit.gather: for each (full, shard) of self.full, self.shards: if full's storage is empty "
+        "(full.untyped_storage().nbytes() == 0), give it back its memory (resize_ to numel * element_size); "
+        "all-gather shard.to(full.dtype) into full on self.group (async_op as asked); tell self.live (if not "
+        "None) with gathered(self); return the handles. Unit.free: tell self.live (freed(self)), then shrink each "
+        "full buffer's storage to 0 bytes: the parameters are views into it, so their memory goes too. "
+        "Unit.reduce_scatter(flats): for each flat gradient start C.reduce_scatter into a new tensor of "
+        "numel/self.world with op='avg', async_op=True; return (self, [(out, g, handle), ...]). "
         "add_reduced(reducing, replace): None -> nothing; else wait for each handle and add out into the "
-        "matching u.grads shard (copy instead of add if replace).",
+        "matching u.grads shard (copy instead of add if replace); then point each (piece, g) of u.held "
+        "(if any) back at g: piece.grad = g.",
         [("train", "fsdp", ["--zero_stage=3"]), ("train", "fsdp", ["--zero_stage=2"])], (2, 3)),
     Exercise(
         "tp_f_and_g", "tensor_parallel.py", ["_CopyToParallelRegion.forward", "_CopyToParallelRegion.backward",

@@ -209,11 +209,11 @@ def test_fsdp_gradient_summed_and_experts_rows_unsorted_fail(refs, tmp_path):
     """FSDP whose reduce-scatter sums the gradient instead of averaging it: the norm is N times
     the one-process run's. Expert parallelism that runs the experts on the rows as they
     arrived (by source rank, not by expert): the wrong expert on most rows, the loss departs."""
-    summed = _real("fsdp_unit", "reduce_scatter_grad")
+    summed = _real("fsdp_unit", "Unit.reduce_scatter")
     assert 'op="avg"' in summed
     folder = _solve(tmp_path / "summed", "fsdp_unit", {
-        "reduce_scatter_grad": summed.replace('op="avg"', 'op="sum"'),
-        "add_reduced": _real("fsdp_unit", "add_reduced"), "Gathers.take": _real("fsdp_unit", "Gathers.take")})
+        "Unit.reduce_scatter": summed.replace('op="avg"', 'op="sum"'),
+        **{f: _real("fsdp_unit", f) for f in ("Unit.gather", "Unit.free", "add_reduced")}})
     ok, line = G.check_train(folder, "fsdp", ["--zero_stage=3"], (2,), refs)[1]
     assert not ok and "gradient norm before clipping: first differs at step 0" in line, line
     folder = _solve(tmp_path / "unsorted", "moe_dispatch_combine", {
