@@ -8,6 +8,7 @@ Attention with Blockwise Transformers for Near-Infinite Context", 2023).
     python context_parallel.py                                  # one process: a ring of one
     torchrun --nproc_per_node=2 context_parallel.py             # two ranks (CPU processes over gloo, or GPUs over NCCL)
     torchrun --nproc_per_node=4 context_parallel.py --block_size=4096 --layout=contiguous
+    torchrun --nproc_per_node=4 context_parallel.py --method=ulysses  # all-to-all instead of the ring
 
 What it splits. Everything in a block but attention treats each position alone (the
 embeddings, with GLOBAL positions, the LayerNorms, the MLP, the residual adds, the head
@@ -26,9 +27,15 @@ and Adam state per rank, as in DDP), so their gradients are averaged once a step
 --layout=zigzag (the default) balances the causal work over the ranks (see positions());
 the log's attn_ms and attn_wait_ms show it, act_bytes the 1/N. traffic_per_rank() has
 the bytes.
+
+--method=ulysses (DeepSpeed-Ulysses) sends heads instead of keys: an all-to-all before
+attention gives each rank every position of H/N heads, one after it gives the positions
+back (see ulysses_attention()). Fewer bytes than the ring, none of them hidden behind
+compute, and the heads must divide into N.
 """
 import functools
 import math
+import types
 from contextlib import contextmanager, nullcontext
 
 import torch
@@ -36,8 +43,9 @@ import torch
 import collectives as C
 import model as M
 
-DEFAULTS = dict(M.TRAIN_DEFAULTS, layout="zigzag")
+DEFAULTS = dict(M.TRAIN_DEFAULTS, layout="zigzag", method="ring")
 LAYOUTS = ("contiguous", "zigzag")
+METHODS = ("ring", "ulysses")
 
 # -----------------------------------------------------------------------------
 # the layout: which positions each rank holds
@@ -85,7 +93,8 @@ def block_plan(me, owner, n, layout, length):
 
 class Ring:
     """The ranks that share one sequence, in ring order: whom this rank sends to (next)
-    and receives from (prev), GLOBAL ranks of `group`; and the layout."""
+    and receives from (prev), GLOBAL ranks of `group`; and the layout. (Ulysses reads
+    only the group, the rank, N and the layout.)"""
 
     def __init__(self, group=None, layout="zigzag"):
         ranks = C.group_ranks(group)
@@ -247,15 +256,87 @@ def attend_backward(q, k, v, dout, lse, delta, scale, causal):
     return torch.matmul(ds, k) * scale, torch.matmul(ds.transpose(-2, -1), q) * scale, dv
 
 # -----------------------------------------------------------------------------
+# Ulysses: the heads travel instead of the keys (DeepSpeed-Ulysses, Jacobs et al. 2023)
+#
+# Attention is the only place where a position needs the others, and every head is
+# independent. So for the length of attention, swap what is split: one all-to-all turns
+# "my s/N positions, all H heads" into "every position, my H/N heads", each rank runs
+# ordinary attention on whole sequences, and a second all-to-all turns the output back;
+# backward is the same two exchanges reversed, by autograd (_AllToAll). The attention in
+# between can be any kernel (flash attention on a GPU, unchanged: no log-sum-exp to
+# merge); here it is the ring's own math on a ring of one, the one-process run's, so that
+# the bench compares the messages, not two kernels. A rank sends (N-1)/N of four tensors
+# of b·(s/N)·h a layer forward (q, k, v, the output) and four backward: 4/(3N) of the
+# ring's bytes in float32, 1/N in bfloat16 (traffic_per_rank); but nothing computes while
+# they travel, and N cannot exceed the number of heads. Any layout works: what arrives is
+# put in position order before attention, and back in the ranks' order after it.
+
+
+def seq_to_heads(x, ring, order):
+    """(..., H, s/N, D) at my positions -> (..., H/N, s, D): my heads, every position in
+    order. order: the global position of each row that arrives (rank 0's first)."""
+    send = torch.stack(x.chunk(ring.n, dim=-3))  # (N, ..., H/N, s/N, D): part j, heads group j, to rank j
+    recv = torch.empty_like(send)
+    C.all_to_all(recv, send, group=ring.group)  # part i: rank i's positions of my heads
+    return torch.cat(recv.unbind(0), dim=-2)[..., torch.argsort(order), :]  # zigzag: back into position order
+
+
+def heads_to_seq(y, ring, order):
+    """seq_to_heads's inverse: (..., H/N, s, D) -> (..., H, s/N, D) at my positions."""
+    send = torch.stack(y[..., order, :].chunk(ring.n, dim=-2))  # (N, ..., H/N, s/N, D): part i, rank i's positions
+    recv = torch.empty_like(send)
+    C.all_to_all(recv, send, group=ring.group)  # part j: my positions of rank j's heads
+    return torch.cat(recv.unbind(0), dim=-3)
+
+
+class _AllToAll(torch.autograd.Function):
+    """seq_to_heads (to_heads) or heads_to_seq; the gradient goes back by the other."""
+
+    @staticmethod
+    def forward(ctx, x, ring, order, to_heads, clock):
+        ctx.ring, ctx.order, ctx.to_heads, ctx.clock = ring, order, to_heads, clock
+        return exchange(x, ring, order, to_heads, clock, "")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return exchange(grad, ctx.ring, ctx.order, not ctx.to_heads, ctx.clock, " (backward)"), None, None, None, None
+
+
+def exchange(x, ring, order, to_heads, clock, when):
+    """One of the two exchanges, timed as "wait": nothing overlaps it, all of it is exposed."""
+    name = "to heads" if to_heads else "to positions"
+    with clock("wait"), M.span(f"all_to_all {name}{when} ({x.numel() * x.element_size() / 1e6:.1f} MB)", comm=True):
+        return (seq_to_heads if to_heads else heads_to_seq)(x.contiguous(), ring, order)
+
+
+ALONE = types.SimpleNamespace(me=0, n=1, layout="contiguous")  # a ring of one: one block, no messages
+
+
+# torch.compile runs the exchanges eagerly (a graph break), as the ring
+@torch.compiler.disable
+def ulysses_attention(q, k, v, ring, clock=None):
+    """Causal attention of this rank's q over the sequence all ranks hold, (B, H, s/N, D)
+    each, H divisible by N; returns q's dtype. The same Ring (group, layout) as the ring's."""
+    # the global position of each row of the gathered sequence: rank 0's rows first
+    order = torch.cat([positions(q.shape[2] * ring.n, r, ring.n, ring.layout, q.device) for r in range(ring.n)])
+    clock = clock or untimed
+    qkv = _AllToAll.apply(torch.stack([q, k, v]), ring, order, True, clock)  # one message for all three
+    y = RingAttention.apply(*qkv.unbind(0), ALONE, clock)  # (B, H/N, s, D): whole sequences, causal
+    return _AllToAll.apply(y, ring, order, False, clock)
+
+
+ATTENTION = dict(ring=ring_attention, ulysses=ulysses_attention)
+
+# -----------------------------------------------------------------------------
 # the model on a rank's positions
 
 
-def use_ring(model, ring, clock=None):
+def use_ring(model, ring, clock=None, method="ring"):
     """Point every block's attention at the ring: model.CausalSelfAttention runs as it is
     (c_attn, the heads, c_proj) and its attend() hook, SDPA in one process, becomes
-    ring attention over every rank's keys."""
+    ring attention over every rank's keys (method="ulysses": the all-to-alls around SDPA)."""
     for block in model.transformer.h:
-        block.attn.attend = functools.partial(ring_attention, ring=ring, clock=clock)
+        block.attn.attend = functools.partial(ATTENTION[method], ring=ring, clock=clock)
 
 
 def forward(model, idx, targets, pos, recompute="none"):
@@ -284,11 +365,16 @@ def main(argv=None):
     cfg = M.parse_args(DEFAULTS, argv, __doc__)
     if cfg.layout not in LAYOUTS:
         M.die(f"--layout takes contiguous or zigzag, not {cfg.layout!r}")
+    if cfg.method not in METHODS:
+        M.die(f"--method takes ring or ulysses, not {cfg.method!r}")
     if cfg.dropout:
-        M.die("context_parallel.py needs --dropout=0: its hand-written attention backward recomputes "
-              "the attention weights and would need forward's random masks")
+        M.die("context_parallel.py needs --dropout=0: the ring's hand-written attention backward recomputes "
+              "the attention weights and would need forward's random masks (ulysses keeps to the same model)")
     run = M.start(cfg, "context_parallel")
     rank, world, device, config = run.rank, run.world, run.device, run.config
+    if cfg.method == "ulysses" and config.n_head % world:
+        M.die(f"--method=ulysses splits the {config.n_head} heads over the ranks: {world} ranks do not divide them "
+              f"(--method=ring does not need it)")
     parts = world * (2 if cfg.layout == "zigzag" else 1)
     if config.block_size % parts:
         M.die(f"--block_size={config.block_size} does not divide into {parts} equal parts "
@@ -299,7 +385,7 @@ def main(argv=None):
 
     # the weights are replicated, as in DDP: the same seed everywhere, made sure by a broadcast
     model = M.GPT(config, seed=cfg.seed).to(device)
-    use_ring(model, ring, clock)
+    use_ring(model, ring, clock, cfg.method)
     params = list(model.parameters())  # the tied matrix once
     for t in params + list(model.buffers()):
         C.broadcast(t.data, src=C.group_ranks(group)[0], group=group)
@@ -308,7 +394,8 @@ def main(argv=None):
     M.restore(run, [(n, p, None, rank == 0) for n, p in model.named_parameters()], optimizer)
     step_forward = torch.compile(forward) if cfg.compile else forward
     if rank == 0:
-        print(f"context_parallel: {world} rank{'s' * (world > 1)}, {cfg.layout} layout, {M.param_count(config) / 1e6:.2f}M parameters, "
+        print(f"context_parallel: {world} rank{'s' * (world > 1)}, {cfg.method}, {cfg.layout} layout, "
+              f"{M.param_count(config) / 1e6:.2f}M parameters, "
               f"{cfg.batch_size} x {config.block_size // world} tokens per rank "
               f"({config.block_size} per sequence)", flush=True)
 
@@ -387,7 +474,8 @@ def activation_per_rank(config, cfg, world):
     """The bytes autograd keeps between forward and backward on a rank (the log's act_bytes):
     every activation is per position, so a rank keeps what one process keeps for sequences
     of s/N positions (model.activation_bytes and ends_bytes; the ring keeps its output in
-    its own order besides c_proj's copy)."""
+    its own order besides c_proj's copy). --method=ulysses keeps the same: its attention is
+    the ring's on a ring of one, over H/N heads of s positions instead of H of s/N."""
     d = 2 if cfg.dtype == "bfloat16" else 4
     n, s = cfg.batch_size * config.block_size // world, config.block_size // world
     return (M.activation_bytes(config, n, getattr(cfg, "recompute", "none"), ring=True, dtype_bytes=d)
@@ -396,31 +484,43 @@ def activation_per_rank(config, cfg, world):
 
 def traffic_per_rank(config, cfg, world):
     """Bytes a rank sends per optimizer step. With b rows, s tokens, h = n_embd, L layers,
-    Ψ parameters, a = 4 bytes in float32 or 2 in bfloat16 for K and V (gradients float32):
+    Ψ parameters, a = 4 bytes in float32 or 2 in bfloat16 for the activations:
 
+      ring (K and V travel; their gradients in float32)
         forward    L · (N-1) · 2·b·(s/N)·h · a      K and V of one rank's positions, N-1 hops
                                                     (twice with --recompute=full: backward reruns it)
         backward   L · (N-1) · 2·b·(s/N)·h · a      the same blocks again (forward kept only its own)
                  + L · (N-1) · 2·b·(s/N)·h · 4      their gradients dK, dV, N-1 hops, the last one home
+      ulysses (the heads travel; every gradient in the activations' dtype)
+        forward    L · (N-1)/N · 4·b·(s/N)·h · a    q, k, v to heads and the output back, each rank
+                                                    keeping its own 1/N (twice with --recompute=full)
+        backward   L · (N-1)/N · 4·b·(s/N)·h · a    the output's gradient to heads, dq, dk, dv back
+      both
         weights    2(N-1)/N · 4Ψ                    one ring all-reduce of every gradient
 
-    so 2(N-1)/N · L·b·s·h·(2a + 4) bytes for attention, about as much as tensor parallel's
-    activations; but each hop moves O(b·(s/N)·h) bytes while the block it overlaps costs
-    O(b·(s/N)²·h) FLOPs, so once s/N is long enough the transfers hide behind compute.
-    Skipped future blocks are still sent: in a ring every block passes every rank on its
-    way to those that need it (under zigzag every rank needs half of every other block),
-    and each step is the same exchange on every rank; so the bytes do not shrink. The
-    K/V terms are exact on every rank; the all-reduce's is exact when N divides Ψ, else
-    the mean over ranks (the ring's chunks differ by an element)."""
+    so for attention the ring sends 2(N-1)/N · L·b·s·h·(2a + 4) bytes, about as much as
+    tensor parallel's activations, and Ulysses 8(N-1)/N² · L·b·s·h·a: 4/(3N) of the ring's
+    in float32, 1/N in bfloat16. But each hop of the ring moves O(b·(s/N)·h) bytes while
+    the block it overlaps costs O(b·(s/N)²·h) FLOPs, so once s/N is long enough its
+    transfers hide behind compute; Ulysses' cannot hide (attention needs all of q, k, v).
+    The ring's skipped future blocks are still sent: in a ring every block passes every
+    rank on its way to those that need it (under zigzag every rank needs half of every
+    other block), and each step is the same exchange on every rank; so the bytes do not
+    shrink. The attention terms are exact on every rank; the all-reduce's is exact when N
+    divides Ψ, else the mean over ranks (the ring's chunks differ by an element)."""
     if world == 1:
         return 0
     b, s, h, L = cfg.batch_size, config.block_size, config.n_embd, config.n_layer
     a = 2 if cfg.dtype == "bfloat16" else 4
+    passes = 2 if getattr(cfg, "recompute", "none") == "full" else 1  # full: backward reruns forward
     block = 2 * b * (s // world) * h  # K and V, every row and head, of one rank's positions
-    forward = L * (world - 1) * block * a * (2 if getattr(cfg, "recompute", "none") == "full" else 1)  # full: rerun
-    backward = L * (world - 1) * block * a + L * (world - 1) * block * 4
+    if getattr(cfg, "method", "ring") == "ulysses":
+        piece = b * (s // world) * (h // world)  # one tensor's share for one other rank: my positions, its heads
+        attention = L * (world - 1) * 4 * piece * a * (passes + 1)
+    else:
+        attention = L * (world - 1) * block * a * passes + L * (world - 1) * block * (a + 4)
     weights = 2 * (world - 1) / world * 4 * M.param_count(config)
-    return forward + backward + weights
+    return attention + weights
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
-"""context_parallel.py: ring attention against scaled_dot_product_attention, the training
-run against the one-process run (losses, parameters), the bytes of the formula, the
-activations each rank keeps, resume exactness, and bad input.
+"""context_parallel.py: ring and Ulysses attention against scaled_dot_product_attention, the
+training run against the one-process run (losses, parameters), the bytes of the formula, the
+activations each rank keeps, resume exactness, Ulysses on parallel_nd.py's mesh, and bad input.
 
 Process start-up is the costly part on two cores, so one spawn per world size runs
 everything that needs ranks (the attention checks and every training run), and the
@@ -13,24 +13,33 @@ import torch
 import torch.nn.functional as F
 
 import model as M
-from harness import spawn, check_at_two_ranks, refusals, assert_refused, assert_logs_match, assert_states_match
-from conftest import SHORT_STEPS, VOCAB
+from harness import (spawn, check_at_two_ranks, refuse, refusals, one_thread, assert_refused, assert_logs_match,
+                     assert_states_match)
+from conftest import BF16_ARGS, SHORT_STEPS, VOCAB
 
 LAYOUTS = ("contiguous", "zigzag")
 # the one 20-step run (warm-up and decay; its checkpoint at RESUME_AT is resumed), the others SHORT_STEPS
 FULL, RESUME_AT = (2, "zigzag"), 15
 DTYPES = {torch.float32: 1e-5, torch.bfloat16: 5e-2}  # float32 rounding; bfloat16's 8-bit mantissa
-# (batch, heads, sequence, head size): odd heads and head size, zigzag chunks of 7 and 3 positions
+# (batch, heads, sequence, head size): odd heads and head size, zigzag chunks of 7 and 3 positions;
+# Ulysses splits the heads, so 4 of them
 SHAPES = {2: (2, 3, 28, 5), 4: (3, 3, 24, 5)}
+ULYSSES_SHAPES = {n: (b, 4, s, d) for n, (b, h, s, d) in SHAPES.items()}
+# --method=ulysses, SHORT_STEPS each (bf16: conftest's run), every recompute mode and both layouts;
+# at 2 ranks the first also writes a checkpoint at step 2 that a run resumes
+ULYSSES = {2: {"zigzag": [], "contiguous, full": ["--layout=contiguous", "--recompute=full"], "bf16": BF16_ARGS},
+           4: {"zigzag, gelu": ["--recompute=gelu"], "contiguous": ["--layout=contiguous"]}}
+# parallel_nd.py's mesh at 4 ranks, SHORT_STEPS of --cp_method=ulysses: the heads split by tp, then by cp
+MESHES = {"tp x cp": ["--tp=2", "--cp=2"], "dp_shard x cp": ["--dp_shard=2", "--cp=2", "--layout=contiguous"]}
 
 
-def _ring_attention_errors(world):
-    """This rank's ring attention, forward and backward, next to SDPA on the whole
-    sequence: -> {(layout, dtype): (max errors of out, dq, dk, dv; bytes sent; dtypes
+def _attention_errors(world, method="ring"):
+    """This rank's ring (or Ulysses) attention, forward and backward, next to SDPA on the
+    whole sequence: -> {(layout, dtype): (max errors of out, dq, dk, dv; bytes sent; dtypes
     right; attention and wait ms)}."""
     import collectives as C
     import context_parallel as CP
-    B, H, S, D = SHAPES[world]
+    B, H, S, D = (ULYSSES_SHAPES if method == "ulysses" else SHAPES)[world]
     g = torch.Generator().manual_seed(123)  # every rank draws the same whole-sequence tensors
     q, k, v, dout = (torch.randn(B, H, S, D, generator=g) for _ in range(4))
     ref = [t.clone().requires_grad_() for t in (q, k, v)]
@@ -43,7 +52,7 @@ def _ring_attention_errors(world):
             pos = CP.positions(S, ring.me, ring.n, layout)
             mine = [t[:, :, pos].to(dtype).requires_grad_() for t in (q, k, v)]
             C.reset_bytes()
-            out = CP.ring_attention(*mine, ring, clock)
+            out = CP.ATTENTION[method](*mine, ring, clock)
             out.backward(dout[:, :, pos].to(dtype))
             sent = C.bytes_sent()
             errors = [(out.float() - out_ref[:, :, pos]).abs().max().item()]
@@ -56,7 +65,7 @@ def _ring_attention_errors(world):
 def _train_all(rank, world, train_args, out):
     """Every multi-rank check of one world size in one process start."""
     import context_parallel as CP
-    results = {"attention": _ring_attention_errors(world)}
+    results = {(method, "attention"): _attention_errors(world, method) for method in ("ring", "ulysses")}
     for layout in LAYOUTS:
         path = os.path.join(out, f"cp_{world}_{layout}.pt")
         extra = [] if (world, layout) == FULL else [f"--max_iters={SHORT_STEPS}"]
@@ -65,6 +74,20 @@ def _train_all(rank, world, train_args, out):
         results[layout] = (CP.main(train_args + [f"--layout={layout}", f"--save_path={path}"] + extra), path)
     if world == 2:
         results["resumed"] = CP.main(train_args + [f"--resume={os.path.join(out, 'ckpt', f'step_{RESUME_AT:06d}')}"])
+    short = [f"--max_iters={SHORT_STEPS}", "--method=ulysses"]
+    for i, (name, flags) in enumerate(ULYSSES[world].items()):
+        path = os.path.join(out, f"ulysses_{i}.pt")
+        ckpt = [f"--out_dir={os.path.join(out, 'ckpt_u')}", "--ckpt_interval=2"] if world == 2 and i == 0 else []
+        results["ulysses", name] = (CP.main(train_args + short + flags + ckpt + [f"--save_path={path}"]), path)
+    if world == 2:
+        resume = os.path.join(out, "ckpt_u", "step_000002")
+        results["ulysses resumed"] = CP.main(train_args + short + [f"--resume={resume}"])
+    if world == 4:
+        import parallel_nd as P
+        for name, flags in MESHES.items():
+            path = os.path.join(out, f"mesh_{len(results)}.pt")
+            results["mesh", name] = (P.main(train_args + [f"--max_iters={SHORT_STEPS}", "--cp_method=ulysses"] + flags
+                                            + [f"--save_path={path}"]), path)
     return results
 
 
@@ -82,19 +105,21 @@ def test_quick_at_2_ranks(train_args, reference_short):
     check_at_two_ranks("context_parallel", train_args + [f"--max_iters={SHORT_STEPS}"], reference_short[0], VOCAB)
 
 
-def test_ring_attention_matches_sdpa(runs):
+@pytest.mark.parametrize("method", ["ring", "ulysses"])
+def test_attention_matches_sdpa(runs, method):
     world, results, _ = runs
-    B, H, S, D = SHAPES[world]
-    block = 2 * B * H * (S // world) * D  # K and V of one rank's positions
+    B, H, S, D = (ULYSSES_SHAPES if method == "ulysses" else SHAPES)[world]
     for layout in LAYOUTS:
         for dtype, tol in DTYPES.items():
-            errors, sent, typed, ms = results["attention"][(layout, str(dtype))]
-            where = f"{layout}, {dtype}, {world} ranks"
+            errors, sent, typed, ms = results[method, "attention"][(layout, str(dtype))]
+            where = f"{method}, {layout}, {dtype}, {world} ranks"
             assert max(errors) <= tol, f"{where}: out, dq, dk, dv differ from SDPA by {errors}"
             assert typed, f"{where}: the output or a gradient came back in another dtype"
-            # forward: K/V N-1 hops; backward: K/V again, and dK/dV in float32, N-1 hops
             a = torch.finfo(dtype).bits // 8
-            assert sent == (world - 1) * block * (2 * a + 4), where
+            if method == "ring":  # forward: K/V N-1 hops; backward: K/V again, and dK/dV in float32, N-1 hops
+                assert sent == (world - 1) * 2 * B * H * (S // world) * D * (2 * a + 4), where
+            else:  # q, k, v and the output, forward and backward: to each other rank its heads of my positions
+                assert sent == 8 * (world - 1) * B * (S // world) * (H // world) * D * a, where
             assert ms["attn"] > 0 and ms["wait"] > 0, where
 
 
@@ -147,6 +172,72 @@ def test_resume_is_exact(runs):
     assert os.path.exists(os.path.join(out, "ckpt", "step_000020", "manifest.json"))
 
 
+def test_ulysses_parity_traffic_and_resume(runs, train_args, reference_short, reference_bf16):
+    """--method=ulysses: the one-process losses and parameters in every recompute mode and both
+    layouts (bf16: within bf16 rounding); exactly the formula's bytes and the ring's
+    activations; and at 2 ranks a resume that continues the same losses."""
+    import context_parallel as CP
+    world, results, _ = runs
+    config = M.make_config("tiny", VOCAB, block_size=32)
+    for name, flags in ULYSSES[world].items():
+        where = f"ulysses, {name}, {world} ranks"
+        records, path = results["ulysses", name]
+        cfg = M.parse_args(CP.DEFAULTS, train_args + [f"--max_iters={SHORT_STEPS}", "--method=ulysses"] + flags)
+        if cfg.dtype == "bfloat16":
+            assert_logs_match(records, reference_bf16, 3e-4)
+        else:
+            assert_logs_match(records, reference_short[0], 1e-4)
+            assert_states_match(torch.load(path), reference_short[1], 1e-5)
+        for r in records:
+            assert r["comm_bytes"] == [CP.traffic_per_rank(config, cfg, world)] * world, where
+            # attention keeps what the ring's does: q, k, v (head-split), its output and log-sum-exp,
+            # and c_proj's input in the other order. bf16: activation_per_rank is not what autocast
+            # keeps, for the ring either (one process, 8 x 32 tokens: 14.4 MB kept, 10.5 counted)
+            want = CP.activation_per_rank(config, cfg, world)
+            assert cfg.dtype == "bfloat16" or r["act_bytes"] == [want] * world, where
+            assert min(r["attn_ms"]) > 0 and min(r["attn_wait_ms"]) > 0, where
+    if world == 2:
+        first, resumed = results["ulysses", "zigzag"][0], results["ulysses resumed"]
+        assert [r["iter"] for r in resumed] == [2] and resumed[0]["loss"] == first[2]["loss"]
+
+
+@pytest.mark.parametrize("runs", [4], indirect=True, ids=["world4"])
+def test_ulysses_on_the_mesh(runs, reference_short):
+    """parallel_nd.py --cp_method=ulysses with tp (12 heads: 6 a tp rank, 3 a cp rank) and with
+    a data axis: the one-process losses and parameters, and every axis' bytes its formula's."""
+    world, results, _ = runs
+    for name in MESHES:
+        records, path = results["mesh", name]
+        assert_logs_match(records, reference_short[0], 1e-4)
+        assert_states_match(torch.load(path), reference_short[1], 1e-5)
+        for r in records:
+            axes = [k[len("formula_bytes_"):] for k in r if k.startswith("formula_bytes_")]
+            assert r["comm_bytes_cp"] == pytest.approx(r["formula_bytes_cp"]), name  # every cp rank the same
+            for a in axes:
+                assert sum(r[f"comm_bytes_{a}"]) == pytest.approx(sum(r[f"formula_bytes_{a}"])), (name, a)
+
+
+def _three_ranks(rank, world, train_args):
+    """Ulysses at 3 ranks (the tiny preset's 12 heads, 4 a rank; 24 positions, zigzag chunks of 4),
+    and the small preset's 4 heads refused, by context_parallel.py and on parallel_nd.py's cp axis."""
+    import context_parallel as CP
+    small = train_args + ["--model=small", "--block_size=24"]
+    return (CP.main(train_args + ["--method=ulysses", "--block_size=24", f"--max_iters={SHORT_STEPS}"]),
+            refuse("context_parallel", small + ["--method=ulysses"]),
+            refuse("parallel_nd", small + ["--cp=3", "--cp_method=ulysses"]))
+
+
+def test_ulysses_at_three_ranks_and_heads_that_do_not_split(train_args):
+    import ddp
+    results = spawn(_three_ranks, 3, train_args, timeout=600)
+    with one_thread():
+        reference = ddp.main(train_args + ["--block_size=24", f"--max_iters={SHORT_STEPS}"])
+    assert_logs_match(results[0][0], reference, 1e-4)
+    assert_refused([r[1] for r in results], "--method=ulysses splits the 4 heads over the ranks: 3 ranks do not "
+                   "divide them")
+    assert_refused([r[2] for r in results], "--cp_method=ulysses needs --tp x --cp = 3 to divide the 4 heads")
+
+
 def test_layouts_balance_the_causal_work():
     """The blocks the causal mask leaves, counted in score elements: contiguous gives the
     last rank N times the first's work, zigzag the same to every rank; and the blocks of
@@ -191,12 +282,19 @@ def test_traffic_formula_by_hand():
     cfg.dtype = "bfloat16"
     assert CP.traffic_per_rank(config, cfg, 2) == 12 * 73728 * (2 + 2 + 4) + 4 * M.param_count(config)
     assert CP.traffic_per_rank(config, cfg, 1) == 0
+    # Ulysses: 12 layers x 1 other rank x (q, k, v, out: 4 x 24 rows x 16 positions x 48 of the width)
+    # x forward and backward (full: forward twice) x 2 bytes + 4Ψ
+    cfg.method = "ulysses"
+    assert CP.traffic_per_rank(config, cfg, 2) == 12 * 4 * 18432 * 2 * 2 + 4 * M.param_count(config)
+    cfg.dtype, cfg.recompute = "float32", "full"
+    assert CP.traffic_per_rank(config, cfg, 2) == 12 * 4 * 18432 * 3 * 4 + 4 * M.param_count(config)
 
 
 def test_bad_flags_are_one_line(train_args, capsys):
     import context_parallel as CP
     for args, message in ((["--dropout=0.1"], "error: context_parallel.py needs --dropout=0"),
-                          (["--layout=striped"], "error: --layout takes contiguous or zigzag, not 'striped'")):
+                          (["--layout=striped"], "error: --layout takes contiguous or zigzag, not 'striped'"),
+                          (["--method=tree"], "error: --method takes ring or ulysses, not 'tree'")):
         with pytest.raises(SystemExit) as e:
             CP.main(train_args + args)
         assert e.value.code != 0
