@@ -2,9 +2,10 @@
 
 What a forker runs after each change (`python -m pytest -q -m quick`): one spawn of two
 ranks trains each strategy for a few steps (one process group, many short runs), and
-each strategy's losses must equal the one-process ddp.py run's within 1e-4. The long
-proofs (20 steps, 3 and 4 ranks, bytes to the formula, bf16, resume) are each
-strategy's own test file, in the whole suite."""
+each strategy's losses must equal the one-process ddp.py run's within 1e-4, and its
+gradient norms too (harness.assert_norms_match). The long proofs (20 steps, 3 and 4
+ranks, bytes to the formula, bf16, resume) are each strategy's own test file, in the
+whole suite."""
 import importlib
 
 import pytest
