@@ -44,9 +44,14 @@ def traffic_per_rank(config, cfg, world):
 
 def all_reduce_each(params, group=None):
     """Naive DDP, the whole algorithm: after backward, average each gradient over the
-    ranks, one message per parameter (148 for the tiny preset)."""
+    ranks, one message per parameter (148 for the tiny preset). A frozen parameter is
+    skipped (on every rank alike); one that got no gradient this step sends zeros, since
+    another rank may have used it, and every rank must send the same messages in order."""
     for p in params:
-        C.all_reduce(p.grad, op="avg", group=group)
+        if p.requires_grad:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            C.all_reduce(p.grad, op="avg", group=group)
 
 
 class GradBuckets:
@@ -59,11 +64,17 @@ class GradBuckets:
     so the first bucket fills first and can be sent while backward still runs.
     overlap=True launches each bucket's all-reduce from a gradient hook as soon as
     the bucket is full; otherwise reduce() sends them all after backward.
+
+    The caller may do what it likes to .grad between steps: optimizer.zero_grad()
+    sets it to None (torch's default), and the next backward then writes a new
+    tensor outside the bucket. claim() copies such a gradient into its view and
+    points .grad back at it (PyTorch's DDP does the same), from the hook or from
+    reduce(); a parameter that got no gradient this step (unused) sends zeros.
     """
 
     def __init__(self, params, bucket_mb, overlap, group=None):
         self.group, self.overlap = group, overlap
-        params = [p for p in params if p.requires_grad][::-1]
+        params = [p for p in params if p.requires_grad][::-1]  # a frozen parameter has nothing to average
         cap = int(bucket_mb * 2**20)
         buckets, size = [[]], 0
         for p in params:
@@ -72,18 +83,18 @@ class GradBuckets:
                 size = 0
             buckets[-1].append(p)
             size += p.numel() * p.element_size()
-        self.buffers, self.bucket_of = [], {}
+        self.buffers, self.members, self.bucket_of, self.view = [], buckets, {}, {}
         for b, members in enumerate(buckets):
             flat = torch.zeros(sum(p.numel() for p in members), dtype=params[0].dtype, device=params[0].device)
             offset = 0
             for p in members:
-                p.grad = flat[offset:offset + p.numel()].view_as(p)
+                self.view[p] = p.grad = flat[offset:offset + p.numel()].view_as(p)
                 self.bucket_of[p] = b
                 offset += p.numel()
             self.buffers.append(flat)
         self.sizes = [len(members) for members in buckets]
         self.sync = True  # False on the micro-steps of gradient accumulation that don't communicate
-        self.handles = []
+        self.handles, self.ready, self.launched = [], [0] * len(self.buffers), 0
         if overlap:
             for p in params:
                 # fires once per backward, after p's gradient has been accumulated:
@@ -93,10 +104,21 @@ class GradBuckets:
     def zero(self):
         for flat in self.buffers:
             flat.zero_()
-        self.ready = [0] * len(self.buffers)
-        self.launched = 0
+
+    def claim(self, p):
+        """Make p's gradient its bucket view again: zeros if it has none this step (p unused,
+        or its .grad set to None and not used since), a copy if backward wrote a tensor of its
+        own (after zero_grad(set_to_none=True), or p.grad = None)."""
+        view, grad = self.view[p], p.grad
+        if grad is None:
+            view.zero_()
+        elif grad.data_ptr() != view.data_ptr():
+            view.copy_(grad)
+        if grad is not view:
+            p.grad = view
 
     def _ready(self, p):
+        self.claim(p)  # on every micro-step: later ones then accumulate into the view
         if not self.sync:
             return
         self.ready[self.bucket_of[p]] += 1
@@ -104,23 +126,35 @@ class GradBuckets:
         # rank must issue its all-reduces in the same order, or rank 0's bucket 3
         # meets rank 1's bucket 2 and the ring exchanges the wrong data (or hangs)
         while self.launched < len(self.buffers) and self.ready[self.launched] == self.sizes[self.launched]:
-            with M.span(self.name(self.launched), comm=True):
-                self.handles.append(C.all_reduce(self.buffers[self.launched], op="avg", group=self.group,
-                                                 async_op=True))
-            self.launched += 1
+            self.launch()
+
+    def launch(self):
+        b = self.launched
+        with M.span(self.name(b), comm=True):
+            self.handles.append(C.all_reduce(self.buffers[b], op="avg", group=self.group, async_op=True))
+        self.launched += 1
 
     def name(self, b):  # what the trace calls bucket b's all-reduce
         return f"all_reduce bucket {b} ({self.buffers[b].numel() * self.buffers[b].element_size() / 1e6:.1f} MB)"
 
     def reduce(self):
-        """After backward: every bucket averaged over the ranks, on return."""
+        """After backward: every bucket averaged over the ranks, on return, and every .grad
+        its bucket view. A parameter no hook saw (unused this step, on this rank) holds its
+        bucket back: the hooks stop at it, and the buckets from there on are launched here,
+        still in bucket order, so every rank issues bucket 0, 1, 2, ... whichever of its
+        buckets the hooks launched and whichever this function did."""
         if self.overlap:
-            assert self.launched == len(self.buffers), "a gradient never arrived: is every parameter used?"
+            while self.launched < len(self.buffers):
+                for p in self.members[self.launched]:
+                    self.claim(p)  # claimed already by its hook if it fired: a no-op
+                self.launch()
             for h in self.handles:
                 h.wait()
-            self.handles = []
+            self.handles, self.ready, self.launched = [], [0] * len(self.buffers), 0
         else:
             for b, flat in enumerate(self.buffers):
+                for p in self.members[b]:
+                    self.claim(p)
                 with M.span(self.name(b), comm=True):
                     C.all_reduce(flat, op="avg", group=self.group)
 

@@ -7,9 +7,12 @@ world size; with --moe also the mixture-of-experts model, trained by one process
     python bench/compare.py                         # tiny preset, 2 ranks, 20 steps
     python bench/compare.py --world 4 --moe --csv out.csv --png out.png
 
-Every strategy must end on its baseline's loss (float32, so to about 1e-5), and send
-the bytes its formula says: the "formula" column is the closed form each strategy file
-states as traffic_per_rank() (docs/formulas.md), or
+Every strategy must end on its baseline's loss (float32, so to about 1e-5), start from
+its baseline's gradient norm (the "Δ norm" column, relative, at step 0 where the weights
+are the same: a gradient summed over the ranks instead of averaged trains the same losses
+under AdamW and clipping, and only the norm shows it), and send the bytes its formula
+says: the "formula" column is the closed form each strategy file states as
+traffic_per_rank() (docs/formulas.md), or
 for expert parallelism the formula of the step's actual routing; "sent" is what
 collectives.py counted. A strategy that fails is reported in its row and the others
 still run. Data: data/shakespeare if prepared, else a synthetic set.
@@ -126,16 +129,20 @@ def main(argv=None):
                        state_mb=max(records[-1]["state_bytes"]) / 1e6,
                        peak_mb=max(records[-1]["peak_bytes"]) / 1e6 if "peak_bytes" in records[-1] else None)
             curves[name] = [r["loss"] for r in records]
-        rows.append(row)
         base = next((r for r in rows if r["strategy"] == ("moe-baseline" if name.startswith("moe") else "baseline")),
-                    rows[0])
+                    rows[0] if rows else row)
+        if "error" not in row:
+            row["grad_norm0"] = records[0]["grad_norm"]
+            row["norm_rel"] = abs(row["grad_norm0"] - base["grad_norm0"]) / base["grad_norm0"] \
+                if "grad_norm0" in base else float("nan")
+        rows.append(row)
         print_row(row, base, header=len(rows) == 1)
     if not args.keep:
         shutil.rmtree(tmp, ignore_errors=True)
 
     if args.csv:
-        keys = ["strategy", "ranks", "final_loss", "ms_per_step", "tokens_per_s", "sent_mb", "formula_mb",
-                "state_mb", "peak_mb", "error"]
+        keys = ["strategy", "ranks", "final_loss", "norm_rel", "ms_per_step", "tokens_per_s", "sent_mb",
+                "formula_mb", "state_mb", "peak_mb", "grad_norm0", "error"]
         with open(args.csv, "w", newline="") as f:
             w = csv.DictWriter(f, keys)
             w.writeheader()
@@ -147,14 +154,15 @@ def main(argv=None):
 
 def print_row(row, base, header):
     if header:
-        print(f"{'strategy':<11} {'ranks':>5} {'final loss':>10} {'Δ baseline':>10} {'ms/step':>8} {'tok/s':>7} "
+        print(f"{'strategy':<11} {'ranks':>5} {'final loss':>10} {'Δ baseline':>10} {'Δ norm':>7} {'ms/step':>8} {'tok/s':>7} "
               f"{'sent MB/rank':>12} {'formula MB':>10} {'state MB/rank':>13} {'peak MB':>8}")
     if "error" in row:
         print(f"{row['strategy']:<11} {row['ranks']:>5}  FAILED: {row['error']}", flush=True)
         return
     delta = row["final_loss"] - base["final_loss"] if "final_loss" in base else float("nan")
     peak = f"{row['peak_mb']:.0f}" if row["peak_mb"] is not None else "-"
-    print(f"{row['strategy']:<11} {row['ranks']:>5} {row['final_loss']:>10.5f} {delta:>10.1e} {row['ms_per_step']:>8.1f} "
+    print(f"{row['strategy']:<11} {row['ranks']:>5} {row['final_loss']:>10.5f} {delta:>10.1e} {row['norm_rel']:>7.0e} "
+          f"{row['ms_per_step']:>8.1f} "
           f"{row['tokens_per_s']:>7.0f} {row['sent_mb']:>12.3f} {row['formula_mb']:>10.3f} {row['state_mb']:>13.2f} "
           f"{peak:>8}", flush=True)
 

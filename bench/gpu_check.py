@@ -63,6 +63,7 @@ PARTS = {  # name: (what, estimated seconds on one H200, not measured: no GPU wa
     "speed": ("ddp.py at one rank against the plain compiled loop, tokens/s and MFU", 180),
 }
 FP32_TOL, BF16_TOL, COMPILE_TOL = 1e-4, 5e-3, 1e-3
+NORM_TOL = {"float32": 1e-4, "bfloat16": 1e-2}  # relative, at step 0 (norm_verdict)
 MIN_SPEED = {"cuda": 0.95, "cpu": 0.5}  # a shared CPU's timings swing by tens of percent: there a smoke test
 
 
@@ -81,6 +82,16 @@ def loss_verdict(name, ours, ref, tol, iters):
     ok = diff <= tol and falls
     return ok, (f"max |loss - reference| {diff:.1e} (tol {tol:g}) over {iters} steps, "
                 f"loss {ours[0]:.4f} -> {ours[-1]:.4f}" + ("" if falls else " (does not fall)"))
+
+
+def norm_verdict(ours, ref, tol, detail=""):
+    """The gradient norm before clipping, relative to the plain loop's, at step 0 (the same
+    weights) within tol: a gradient with a wrong scale trains the same losses under AdamW and
+    clipping, and only its norm shows it. -> (ok, detail)."""
+    if not ours or not ref:
+        return False, f"{detail}, no gradient norms"
+    rel = abs(ours[0] - ref[0]) / ref[0]
+    return rel <= tol, f"{detail}, gradient norm at step 0 {rel:.1e} from the reference's (tol {tol:g})"
 
 
 def speed_verdict(ours_tps, plain_tps, peak, flops_per_token, min_ratio):
@@ -140,6 +151,9 @@ def verdicts(part, result, device):
                 out.append((False, f"{part} {key}", result.get("error") or "did not run"))
                 continue
             ok, detail = loss_verdict(name, runs[key].get("loss"), ref, tol, iters)
+            plain = runs.get(f"plain{' moe' if name == 'expert' else ''} {dtype}", {})
+            if ok and part == "parity":
+                ok, detail = norm_verdict(runs[key].get("grad_norm"), plain.get("grad_norm"), NORM_TOL[dtype], detail)
             if runs[key].get("peak_bytes"):
                 detail += f", peak {runs[key]['peak_bytes'] / 2**30:.2f} GiB"
             if name == "fsdp":
@@ -216,13 +230,12 @@ def plain_loop(argv):
         with autocast:
             _, loss = forward(x, y)
         (loss + M.moe_loss(model)).backward()
-        if cfg.grad_clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip) if cfg.grad_clip else 0.0
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         loss = loss.item()
         dt = M.elapsed(t0, M.now(device))
-        records.append(dict(iter=it, loss=loss, dt_ms=1000 * dt, tokens_per_s=cfg.batch_size * cfg.block_size / dt))
+        records.append(dict(iter=it, loss=loss, grad_norm=float(norm), dt_ms=1000 * dt, tokens_per_s=cfg.batch_size * cfg.block_size / dt))
     return records
 
 
@@ -290,8 +303,9 @@ def child(part, device, data, out, iters):
         for dtype in dtypes:
             for moe in ([], ["--n_expert=4"]):
                 key = f"plain{' moe' if moe else ''} {dtype}"
-                result["runs"][key] = dict(loss=[r["loss"] for r in plain_loop(model_flags + common + moe
-                                                                                   + [f"--dtype={dtype}"])])
+                records = plain_loop(model_flags + common + moe + [f"--dtype={dtype}"])
+                result["runs"][key] = dict(loss=[r["loss"] for r in records],
+                                           grad_norm=[r["grad_norm"] for r in records])
                 save()
             for name, _, flags in STRATEGIES:
                 compiled = ["--compile=True"] if part == "compile" else []
@@ -302,6 +316,7 @@ def child(part, device, data, out, iters):
                 try:
                     records = mains[name](model_flags + common + flags + compiled + [f"--dtype={dtype}"])
                     result["runs"][key] = dict(loss=[r["loss"] for r in records],
+                                               grad_norm=[r["grad_norm"] for r in records],
                                                peak_bytes=max(records[-1].get("peak_bytes", [0])),
                                                max_gathered_units=records[-1].get("max_gathered_units", [None])[0])
                 except SystemExit as e:  # model.die: its error line is on stderr already

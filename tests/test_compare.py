@@ -23,6 +23,7 @@ def test_compare_table(data_dir, tmp_path, capsys):
     base = rows[0]["final_loss"]
     for r in rows:
         assert abs(r["final_loss"] - base) < 1e-4, r
+        assert r["norm_rel"] <= 1e-4, r  # the gradient norm at step 0, relative to the baseline's
         assert abs(r["sent_mb"] - r["formula_mb"]) < 1e-6, r  # MB: a difference of one byte fails
         assert r["state_mb"] > 0 and r["ms_per_step"] > 0
     # every parallel strategy sends something, and the sharded ones hold less than DDP
@@ -41,7 +42,7 @@ def test_mixture_of_experts_rows(data_dir, capsys):
     rows = compare.main(["--world=2", "--iters=2", "--block_size=32", "--batch_size=8", f"--data_dir={data_dir}",
                          "--only", "moe-baseline", "moe-expert", "--timeout=180"])
     assert [r["strategy"] for r in rows] == ["moe-baseline", "moe-expert"] and not [r for r in rows if "error" in r]
-    assert abs(rows[1]["final_loss"] - rows[0]["final_loss"]) < 1e-4
+    assert abs(rows[1]["final_loss"] - rows[0]["final_loss"]) < 1e-4 and rows[1]["norm_rel"] <= 1e-4
     assert abs(rows[1]["sent_mb"] - rows[1]["formula_mb"]) < 1e-6 and rows[1]["state_mb"] < rows[0]["state_mb"]
 
 

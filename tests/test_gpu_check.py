@@ -14,15 +14,20 @@ import gpu_check as G  # noqa: E402
 LOSSES = [5.3, 5.2, 5.1, 5.0, 4.9, 4.8]
 
 
-def fake_runs(part, shift=0.0, drop=None):
+NORMS = [3.6, 3.1, 2.5, 2.2, 2.0, 1.9]
+
+
+def fake_runs(part, shift=0.0, drop=None, scale=1.0):
     """A child's result for `part` on a CPU in which every strategy matches the plain loop,
-    except for `shift` added to fsdp's losses and the run `drop` left out."""
+    except for `shift` added to fsdp's losses, `scale` times its gradient norms, and the run
+    `drop` left out."""
     runs = {}
     for dtype, _ in G.checked_dtypes(part, "cpu"):
-        runs[f"plain {dtype}"] = runs[f"plain moe {dtype}"] = dict(loss=LOSSES)
+        runs[f"plain {dtype}"] = runs[f"plain moe {dtype}"] = dict(loss=LOSSES, grad_norm=NORMS)
         for name, _, _ in G.STRATEGIES:
             key = f"{name} {dtype}" + (" compiled" if part == "compile" else "")
-            runs[key] = dict(loss=[x + (shift if name == "fsdp" else 0.0) for x in LOSSES], max_gathered_units=2)
+            runs[key] = dict(loss=[x + (shift if name == "fsdp" else 0.0) for x in LOSSES], max_gathered_units=2,
+                             grad_norm=[x * (scale if name == "fsdp" else 1.0) for x in NORMS])
     runs.pop(drop, None)
     return dict(part=part, iters=len(LOSSES), runs=runs, seconds=1.0)
 
@@ -59,7 +64,7 @@ def test_device_verdict_and_fake_cuda(monkeypatch):
     assert G.device_verdict(dict(kind="cuda", name="NVIDIA H200", matmul_err=1e-6, bf16=True, peak=989e12), "cuda")[0]
 
 
-@pytest.mark.parametrize("case", ["good", "loss_off", "missing", "slow", "timeout", "crash"])
+@pytest.mark.parametrize("case", ["good", "loss_off", "norm_off", "missing", "slow", "timeout", "crash"])
 def test_main_exit_code(case, monkeypatch, capsys):
     """main() on made-up child results: every bad one gives a FAIL line and exit code 1."""
     def launch(part, device, data, iters, timeout, tmp):
@@ -71,7 +76,8 @@ def test_main_exit_code(case, monkeypatch, capsys):
         if part == "device":
             return dict(part=part, facts=dict(kind="cpu", name="cpu"), seconds=1.0)
         result = fake_runs(part, shift=1e-2 if case == "loss_off" else 0.0,
-                           drop="tensor float32" if case == "missing" else None)
+                           drop="tensor float32" if case == "missing" else None,
+                           scale=2.0 if case == "norm_off" else 1.0)  # a gradient summed over 2 ranks
         if case == "timeout":
             result = dict(fake_runs(part, drop="expert float32"), error=f"timed out after {timeout}s")
         if case == "crash":
@@ -86,6 +92,8 @@ def test_main_exit_code(case, monkeypatch, capsys):
         assert "FAIL  parity expert float32: timed out after" in out
     if case == "loss_off":
         assert "FAIL  parity fsdp float32: max |loss - reference| 1.0e-02" in out
+    if case == "norm_off":
+        assert "FAIL  parity fsdp float32: max |loss - reference| 0.0e+00" in out and "norm at step 0 1.0e+00" in out
     if case == "slow":
         assert "FAIL  speed: ddp.py 40 tok/s" in out
 
