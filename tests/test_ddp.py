@@ -223,7 +223,6 @@ def test_main_with_zero_grad(train_args, reference_short):
         assert_logs_match(records, reference_short[0], 1e-4)
 
 
-@pytest.mark.xfail(reason="the sharded unit is being rewritten (issue 35)", strict=False)
 def test_sharded_with_zero_grad(train_args, reference_short):
     """The same for the other flat gradient buffers: fsdp.py's units, parallel_nd.py's data
     axes. A gradient shard the optimizer no longer sees (its .grad set to None) must not
