@@ -27,7 +27,7 @@ sys.path.insert(0, ROOT)
 import collectives as C  # noqa: E402
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "reduce", "scatter", "gather")
-KNOBS = ("SMALL_ALL_REDUCE_BYTES", "LARGE_REDUCE_BYTES", "SEGMENT_BYTES", "PIPELINE_DEPTH")
+KNOBS = ("SMALL_ALL_REDUCE_BYTES", "LARGE_REDUCE_BYTES", "PAIR_EXCHANGE_BYTES", "SEGMENT_BYTES", "PIPELINE_DEPTH")
 
 
 def _size(text):  # "64K" -> 65536; a bad value is argparse's one-line error, not a traceback
