@@ -134,7 +134,7 @@ def host_us(fn, iters, rounds, sync):
 def main(argv=None):
     p = argparse.ArgumentParser(prog="collectives_bench.py",
                                 description="hand-written collectives against torch.distributed's own")
-    p.add_argument("--sizes", type=_sizes, default="4K,64K,1M,16M,64M")
+    p.add_argument("--sizes", type=_sizes, default="4,4K,295K,4M,64M")
     p.add_argument("--max_size", type=_size, default="64M")
     p.add_argument("--iters", type=_count, default=10)
     p.add_argument("--warmup", type=int, default=2)
