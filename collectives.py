@@ -537,7 +537,8 @@ def use(kind):
     _check(kind in ("hand", "torch"), f"collectives: use 'hand' or 'torch', not {kind!r}")
     if not _HAND:
         _HAND.update({name: globals()[name] for name in _BUILTINS})
-    globals().update(_HAND if kind == "hand" else _BUILTINS)
+    # one process has no group for torch's to run on; ours send nothing there anyway
+    globals().update(_HAND if kind == "hand" or not _initialized() else _BUILTINS)
 
 
 def _torch_all_reduce(tensor, op="sum", group=None, async_op=False):
