@@ -697,7 +697,8 @@ def init_distributed(timeout_s=None, backend=None):
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     # The device follows the group's backend: inside a group someone else made on gloo (the
     # tests') we stay on the CPU, GPUs or not, or gloo would be handed CUDA pointers.
-    gpu = _is_nccl(None) if _initialized() else backend != "gloo" and torch.cuda.is_available()
+    gpu = (dist.get_backend(_world(None)) == "nccl" if _initialized()
+           else backend != "gloo" and torch.cuda.is_available())
     device = _visible_gpu(local_rank) if gpu else torch.device("cpu")
     if gpu:
         torch.cuda.set_device(device)  # before NCCL starts, or every rank lands on GPU 0
@@ -1184,7 +1185,8 @@ def _run(steps, group, depth=1, block=False, timeout_s=None):
                 # still awaited; NCCL returns one work for the whole step: all of them are
                 awaited = messages[j:] if len(works) == len(messages) else messages
                 timeout = "timed out" in str(e).lower() or "timeout" in str(e).lower()
-                raise _comm_error(e, awaited, link.ranks, ("timed out" if timeout else "failed") + " waiting for") from e
+                doing = ("timed out" if timeout else "failed") + " waiting for"
+                raise _comm_error(e, awaited, link.ranks, doing) from e
         if then is not None:
             then()
         if i + depth < len(steps):

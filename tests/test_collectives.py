@@ -724,7 +724,9 @@ def never_arrives(rank, n):
 
 def test_timeout_names_whom_it_waited_for():
     (sync, worker, again), (barrier, stats), (by_store, by_gloo, store_timeout) = spawn(never_arrives, 2, timeout=60, fresh=True)[0]
-    assert sync.startswith("rank 0: all_reduce on ranks [0, 1] timed out waiting for rank 1 (recv 4096 bytes): "), sync
+    # two ranks all-reduce by one exchange: its send is still awaited beside the receive
+    assert sync.startswith("rank 0: all_reduce on ranks [0, 1] timed out waiting for rank 1 (recv 4096 bytes), "
+                           "rank 1 (send 4096 bytes): "), sync
     assert worker.startswith("rank 0: broadcast on ranks [0, 1] timed out waiting for rank 1 (recv 24 bytes): "), worker
     assert again.startswith("rank 0: gather on ranks [0, 1] ") and "rank 1 (recv 4 bytes)" in again, again
     assert barrier.startswith("rank 0: barrier on ranks [0, 1] timed out waiting for rank 1 (recv 4 bytes): "), barrier
