@@ -18,7 +18,9 @@ local_rank, device), shutdown(), get_rank/get_world_size/group_ranks(group=None)
 new_group(ranks); bytes_sent(group=None), bytes_by_op(), bytes_by_group(), reset_bytes(),
 untracked(); CommError, a wait that failed, naming the ranks it was waiting for;
 trace_on(), trace_off() -> spans, labelled(name) (model.py's --trace); flight_record(),
-diagnose(wait_s=None) -> (one line: which rank is behind where, the ranks that answered).
+diagnose(wait_s=None) -> (one line: which rank is behind where, the ranks that answered);
+use("torch") / use("hand"): torch.distributed's own collectives in these names' place
+(model.py's --collectives), bytes still counted as these would send them.
 
 Every algorithm is a list of steps (sends, recvs, then): post the step's messages
 together, wait for them, call then() (say, add what arrived). _run is the one place that
@@ -50,11 +52,14 @@ import torch.distributed as dist
 # Tuning knobs, measured with bench/collectives_bench.py (gloo ranks on 2 CPU cores, where
 # alpha is a thread wake-up: ~0.1 ms idle, milliseconds under load). There the tree
 # all_reduce beat the ring up to 4-8 MB; 64 KB keeps the tree for small messages only, the
-# split that the training scripts' traffic tests assume.
+# split that the training scripts' traffic tests assume. Two ranks swap whole buffers up to
+# 1 MB (one message each way instead of two in a row; the same bytes): measured there at
+# 0.5-0.9 of gloo's time at 4 KB and 295 KB, where the ring took 1.2-2.6 of it.
 SMALL_ALL_REDUCE_BYTES = 64 << 10  # all_reduce below this size: tree reduce + tree broadcast
 LARGE_REDUCE_BYTES = 32 << 20      # reduce from this size on: ring reduce-scatter + gather
 SEGMENT_BYTES = 4 << 20            # rings cut each chunk into segments of at most this size
 PIPELINE_DEPTH = 2                 # and keep this many in flight: one moves while one is reduced
+PAIR_EXCHANGE_BYTES = 1 << 20      # all_reduce on two ranks up to this size: one exchange, then add
 
 # ----------------------------------------------------------------------------- the ring
 
@@ -126,10 +131,10 @@ def _segmented(nseg, *chunks):
 
 
 def _pieces(t, parts):
-    """Cut flat t into `parts` contiguous views whose sizes differ by at most one element."""
+    """Cut flat t into `parts` contiguous views whose sizes differ by at most one element
+    (the first ones one larger). One split call: a slice t[a:b] costs ~2 us of Python each."""
     q, r = divmod(t.numel(), parts)
-    starts = [i * q + min(i, r) for i in range(parts + 1)]
-    return [t[starts[i]:starts[i + 1]] for i in range(parts)]
+    return t.split([q + (i < r) for i in range(parts)])
 
 # ----------------------------------------------------------------------------- trees, root to all, all to all
 
@@ -172,6 +177,18 @@ def _tree_reduce(src, root, me, n, ranks, combine, acc=None):
     return steps
 
 
+# Two ranks are a special case of everything above: the ring and the tree both make each rank
+# send S in two messages, one after the other (2 alpha + S/beta). Swapping whole buffers
+# sends the same S in one step, both ways at once: alpha + S/beta, for twice the adding
+# (each rank sums all of S; a + b == b + a exactly, so both hold the same bits). Recursive
+# doubling generalises it (log2 N exchanges of S), but past two ranks it sends more than
+# the ring, so it stops here.
+
+def _pair_exchange(flat, peer, combine):
+    tmp = torch.empty_like(flat)
+    return [(flat, peer)], [(tmp, peer)], functools.partial(combine, flat, tmp, out=flat)
+
+
 # Scatter and gather: the root talks to each rank directly, all messages in one step.
 # (N-1)alpha + (N-1)/N S/beta, all on the root's link, which has to carry (N-1)/N S
 # whatever the algorithm: a tree would only save alphas.
@@ -202,13 +219,15 @@ def _pairwise_exchange(send, recv, me, n, ranks):
 
 def all_reduce(tensor, op="sum", group=None, async_op=False):
     """The ring: 2(N-1)alpha + 2(N-1)/N S/beta. For a small S the 2(N-1) alphas dominate, so
-    there: tree reduce to rank 0 + tree broadcast, 2 log2(N) alphas."""
+    there: tree reduce to rank 0 + tree broadcast, 2 log2(N) alphas. Two ranks: one exchange."""
     me, n, ranks = _members(group)
     op = _op(op, tensor.dtype)
 
     def fn():
         flat = _flat(tensor)
-        if flat.numel() * flat.element_size() < SMALL_ALL_REDUCE_BYTES or flat.numel() < n:
+        if n == 2 and flat.numel() * flat.element_size() <= PAIR_EXCHANGE_BYTES:
+            _run([_pair_exchange(flat, ranks[1 - me], _COMBINE[op])], group)
+        elif flat.numel() * flat.element_size() < SMALL_ALL_REDUCE_BYTES or flat.numel() < n:
             _run(_tree_reduce(flat, 0, me, n, ranks, _COMBINE[op], flat), group)
             _run(_tree_broadcast(flat, 0, me, n, ranks), group)
         else:
@@ -348,10 +367,7 @@ def _split_sizes(sizes, t, n, what):
 
 def _row_pieces(flat, sizes, row):
     """Cut flat into consecutive views of sizes[i] rows of `row` elements."""
-    ends = [0]
-    for s in sizes:
-        ends.append(ends[-1] + s * row)
-    return [flat[ends[i]:ends[i + 1]] for i in range(len(sizes))]
+    return flat.split([s * row for s in sizes])
 
 
 def all_to_all(output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):
@@ -506,6 +522,160 @@ def gather_stats(values, group=None):
     return dict(zip(names, rows.view(n, len(names)).t().tolist())) if me == 0 else None
 
 
+# ----------------------------------------------------------------------------- the built-ins (--collectives=torch)
+
+# use("torch") puts torch.distributed's own collectives (NCCL's kernels on GPUs, gloo's on
+# CPUs) in the place of the hand-written ones above, under the same names and signatures:
+# the strategy files, which call C.all_reduce(...), run unchanged on the engine a cluster
+# trains with, and the two can be timed against each other. Each op still counts the bytes
+# the hand-written one would send (a dry run of it on meta tensors, once per shape), so
+# every traffic figure and test holds on both. Point-to-point (send, recv, sendrecv) is the
+# same on both; barrier and gather_stats stay ours (bookkeeping). avg is sum, then divide
+# (gloo has no avg). use("hand") puts the hand-written ones back.
+
+def use(kind):
+    """kind: "hand" (the default) or "torch"."""
+    _check(kind in ("hand", "torch"), f"collectives: use 'hand' or 'torch', not {kind!r}")
+    if not _HAND:
+        _HAND.update({name: globals()[name] for name in _BUILTINS})
+    # one process has no group for torch's to run on; ours send nothing there anyway
+    globals().update(_HAND if kind == "hand" or not _initialized() else _BUILTINS)
+
+
+def _torch_all_reduce(tensor, op="sum", group=None, async_op=False):
+    _charge("all_reduce", _HAND["all_reduce"], (tensor,), dict(op=op, group=group), group)
+    flat = _flat(tensor)
+    work = dist.all_reduce(flat, op=_REDUCE_OP[_op(op, tensor.dtype)], group=group, async_op=async_op)
+    return _finish(work, lambda: _average(op, flat, group), tensor, flat)
+
+
+def _torch_reduce_scatter(output, input, op="sum", group=None, async_op=False):
+    _charge("reduce_scatter", _HAND["reduce_scatter"], (output, input), dict(op=op, group=group), group)
+    out = _flat(output)
+    work = _reduce_scatter_single(out, _flat(input), op=_REDUCE_OP[_op(op, input.dtype)], group=group,
+                                  async_op=async_op)
+    return _finish(work, lambda: _average(op, out, group), output, out)
+
+
+def _torch_all_gather(output, input, group=None, async_op=False):
+    _charge("all_gather", _HAND["all_gather"], (output, input), dict(group=group), group)
+    out = _flat(output)
+    return _finish(_all_gather_single(out, _flat(input), group=group, async_op=async_op), None, output, out)
+
+
+def _torch_all_to_all(output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):
+    _charge("all_to_all", _HAND["all_to_all"], (output, input),
+            dict(output_split_sizes=output_split_sizes, input_split_sizes=input_split_sizes, group=group), group)
+    out = output.contiguous()
+    work = dist.all_to_all_single(out, input.contiguous(), output_split_sizes, input_split_sizes, group=group,
+                                  async_op=async_op)
+    return _finish(work, None, output, out)
+
+
+def _torch_broadcast(tensor, src, group=None, async_op=False):
+    _charge("broadcast", _HAND["broadcast"], (tensor,), dict(src=src, group=group), group)
+    flat = _flat(tensor)
+    return _finish(dist.broadcast(flat, src, group=group, async_op=async_op), None, tensor, flat)
+
+
+def _torch_reduce(tensor, dst, op="sum", group=None, async_op=False):
+    _charge("reduce", _HAND["reduce"], (tensor,), dict(dst=dst, op=op, group=group), group)
+    if get_rank() != dst:  # gloo's reduce uses the others' tensors as scratch; ours leaves them as they were
+        work = dist.reduce(tensor.flatten().clone(), dst, op=_REDUCE_OP[_op(op, tensor.dtype)], group=group,
+                           async_op=async_op)
+        return _finish(work, None, tensor, None)
+    flat = _flat(tensor)
+    work = dist.reduce(flat, dst, op=_REDUCE_OP[_op(op, tensor.dtype)], group=group, async_op=async_op)
+    return _finish(work, lambda: _average(op, flat, group), tensor, flat)
+
+
+def _torch_scatter(output, input, src, group=None, async_op=False):
+    _charge("scatter", _HAND["scatter"], (output, input), dict(src=src, group=group), group)
+    n, out = get_world_size(group), _flat(output)
+    pieces = list(_flat(input).chunk(n)) if get_rank() == src else None
+    return _finish(dist.scatter(out, pieces, src=src, group=group, async_op=async_op), None, output, out)
+
+
+def _torch_gather(output, input, dst, group=None, async_op=False):
+    _charge("gather", _HAND["gather"], (output, input), dict(dst=dst, group=group), group)
+    n, out = get_world_size(group), _flat(output) if output is not None else None
+    pieces = list(out.chunk(n)) if get_rank() == dst else None
+    work = dist.gather(input.contiguous(), pieces, dst=dst, group=group, async_op=async_op)
+    return _finish(work, None, output, out)
+
+
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)  # renamed in 2.12
+_all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+_REDUCE_OP = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
+              "min": dist.ReduceOp.MIN} if dist.is_available() else {}
+_BUILTINS = dict(all_reduce=_torch_all_reduce, reduce_scatter=_torch_reduce_scatter, all_gather=_torch_all_gather,
+                 all_to_all=_torch_all_to_all, broadcast=_torch_broadcast, reduce=_torch_reduce,
+                 scatter=_torch_scatter, gather=_torch_gather)
+_HAND = {}  # the hand-written ones, by name, filled by the first use()
+
+
+def _average(op, flat, group):
+    if op == "avg" or op == dist.ReduceOp.AVG:
+        flat.div_(get_world_size(group))
+
+
+class _Finished:
+    """A built-in's async work, and what is left to do once it is done (divide, copy back)."""
+
+    def __init__(self, work, then):
+        self._work, self._then = work, then
+
+    def wait(self):
+        self._work.wait()
+        if self._then is not None:
+            self._then()
+            self._then = None
+        return True
+
+    def is_completed(self):
+        return self._work.is_completed()
+
+
+def _finish(work, then, tensor, flat):
+    """then() and the copy back into a non-contiguous tensor: now, or at wait() (async_op)."""
+    def done():
+        if then is not None:
+            then()
+        if flat is not None:
+            _copy_back(tensor, flat)
+    if work is not None:
+        return _Finished(work, done)
+    done()
+
+
+_would_send = {}  # (op, shapes, dtypes, arguments, group) -> bytes the hand-written op sends from this rank
+
+
+def _charge(name, hand, tensors, kw, group):
+    """Count the bytes the hand-written op would send: run it dry once per shape (its steps
+    built and counted, nothing posted, on meta tensors), then from the cache."""
+    if _untracked_depth or not _initialized():
+        return
+    key = (name, tuple(None if t is None else (t.shape, t.dtype) for t in tensors),
+           tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in kw.items() if k != "group"), _world(group),
+           SMALL_ALL_REDUCE_BYTES, LARGE_REDUCE_BYTES, PAIR_EXCHANGE_BYTES, SEGMENT_BYTES)  # the path it takes
+    sent = _would_send.get(key)
+    if sent is None:
+        _running.dry = 0
+        try:
+            with untracked():
+                hand(*[None if t is None else torch.empty(t.shape, dtype=t.dtype, device="meta") for t in tensors],
+                     **kw)
+            sent = _would_send[key] = _running.dry
+        finally:
+            _running.dry = None
+    link = _link(group)
+    with _lock:
+        _bytes[name] += sent
+        _group_bytes[tuple(link.ranks)] += sent
+        _handle_bytes[link.pg] = _handle_bytes.get(link.pg, 0) + sent
+
+
 # =============================================================================================
 # Below the fence: the plumbing. Process groups, byte accounting, the engine that posts a
 # step's messages and waits for them, the async workers, argument checks.
@@ -528,7 +698,8 @@ def init_distributed(timeout_s=None, backend=None):
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     # The device follows the group's backend: inside a group someone else made on gloo (the
     # tests') we stay on the CPU, GPUs or not, or gloo would be handed CUDA pointers.
-    gpu = _is_nccl(None) if _initialized() else backend != "gloo" and torch.cuda.is_available()
+    gpu = (dist.get_backend(_world(None)) == "nccl" if _initialized()
+           else backend != "gloo" and torch.cuda.is_available())
     device = _visible_gpu(local_rank) if gpu else torch.device("cpu")
     if gpu:
         torch.cuda.set_device(device)  # before NCCL starts, or every rank lands on GPU 0
@@ -628,10 +799,40 @@ def _members(group):
     """-> (my index in the group, group size, global rank of each index). No group at all: one rank."""
     if not _initialized():
         return 0, 1, [0]
-    me = dist.get_rank(_world(group))
-    if me < 0:
-        raise ValueError("this rank is not a member of the group")
-    return me, dist.get_world_size(_world(group)), group_ranks(group)
+    link = _link(group)
+    return link.me, link.n, link.ranks
+
+
+class _Link:
+    """What every op asks of its group, looked up once per process group (torch's own
+    look-ups cost microseconds each, several per op): my index, the size, the global rank of
+    each index and the group index of each global rank (a message names its peer by the
+    latter), the group's name (the flight record's key), and whether it runs on NCCL. It holds
+    the group weakly, as the byte counts do: a group the caller destroys is freed then, not in
+    the interpreter's teardown (see _stop_workers)."""
+
+    def __init__(self, pg):
+        self._pg, self.me, self.n = weakref.ref(pg), dist.get_rank(pg), dist.get_world_size(pg)
+        self.ranks = dist.get_process_group_ranks(pg)
+        self.index = {r: i for i, r in enumerate(self.ranks)}
+        self.name, self.nccl = pg.group_name, dist.get_backend(pg) == "nccl"
+
+    @property
+    def pg(self):
+        return self._pg()
+
+
+_links = weakref.WeakKeyDictionary()  # process group -> its _Link (a group never changes)
+
+
+def _link(group):
+    pg = _world(group)
+    link = None if isinstance(pg, int) else _links.get(pg)  # (new_group gives a non-member an int)
+    if link is None:
+        if dist.get_rank(pg) < 0:
+            raise ValueError("this rank is not a member of the group")
+        link = _links[pg] = _Link(pg)
+    return link
 
 
 def _index_of(root, ranks, what):
@@ -676,7 +877,12 @@ _bytes = defaultdict(int)        # op name -> payload bytes this rank has sent
 _group_bytes = defaultdict(int)  # the group's global ranks, as a tuple -> payload bytes sent on it
 _handle_bytes = weakref.WeakKeyDictionary()  # the group itself -> payload bytes sent through it (weak: see _stop_workers)
 _untracked_depth = 0
-_running = threading.local()     # .op = (name, tracked) of the op this thread runs now
+class _PerThread(threading.local):
+    op = None   # (name, tracked, flight entry, span) of the op this thread runs now
+    dry = None  # a number while this thread dry-runs an op for a built-in's bytes (_charge)
+
+
+_running = _PerThread()
 
 
 def bytes_sent(group=None):
@@ -801,11 +1007,11 @@ _diagnoses = 0                # diagnose() calls so far: each compares under key
 
 
 def _flight_entry(op, group, device):
-    pg = _world(group)
-    name = pg.group_name
+    link = _link(group)
+    name = link.name
     with _lock:
         if name not in _flight:
-            _flight[name] = (group_ranks(group), deque(maxlen=FLIGHT_RECORDS))
+            _flight[name] = (link.ranks, deque(maxlen=FLIGHT_RECORDS))
         seq = None
         if op not in _UNNUMBERED:
             seq = _flight_seq[name]
@@ -934,35 +1140,46 @@ class CommError(RuntimeError):
     The group is unusable afterwards: messages still posted would match the next op's."""
 
 
-def _post(step, group, ranks):
-    """-> (works, (kind, peer, bytes) of each posted message, in the order of the works)."""
+def _post(step, link, op, nccl):
+    """-> (works, the posted messages as (kind, peer, tensor), in the order of the works).
+    op: the (name, tracked, flight entry, span) of the op this thread runs."""
     sends, recvs, _ = step
     posted = [("recv", peer, t) for t, peer in recvs if t.numel()]
     posted += [("send", peer, t) for t, peer in sends if t.numel()]
-    name, tracked, entry, span = _running.op
+    name, tracked, entry, span = op
     sent = sum(t.numel() * t.element_size() for t, _ in sends)
+    if _running.dry is not None:  # a built-in's dry run (_charge): count, post nothing
+        _running.dry += sent
+        return [], posted
     if tracked:
         with _lock:
             _bytes[name] += sent
-            _group_bytes[tuple(ranks)] += sent
-            _handle_bytes[_key(group)] = _handle_bytes.get(_key(group), 0) + sent
+            _group_bytes[tuple(link.ranks)] += sent
+            _handle_bytes[link.pg] = _handle_bytes.get(link.pg, 0) + sent
     if entry is not None:  # the flight record: what this op has put on the wire so far, and to whom
         entry[3] += sent
         entry[4].update(peer for _, peer, _ in posted)
     if span is not None:
         span["bytes"] += sent
         span["peers"].update(peer for _, peer, _ in posted)
-    messages = [(kind, peer, t.numel() * t.element_size()) for kind, peer, t in posted]
     try:  # gloo refuses to post to a peer it already gave up on (a closed pair)
-        ops = [dist.P2POp(dist.irecv if kind == "recv" else dist.isend, t, peer, _world(group))
-               for kind, peer, t in posted]
-        return (dist.batch_isend_irecv(ops) if ops else []), messages
+        if nccl:  # one NCCL group call: the step's sends and receives start together
+            return dist.batch_isend_irecv([dist.P2POp(dist.irecv if kind == "recv" else dist.isend, t, peer, link.pg)
+                                           for kind, peer, t in posted]) if posted else [], posted
+        # gloo: a work per message whatever the call; post straight to the group, as dist.isend
+        # and dist.irecv end up doing after ~10 us of checks per message
+        return [(link.pg.recv if kind == "recv" else link.pg.send)([_real(t)], link.index[peer], 0)
+                for kind, peer, t in posted], posted
     except RuntimeError as e:
-        raise _comm_error(e, messages, ranks, "failed posting to") from e
+        raise _comm_error(e, posted, link.ranks, "failed posting to") from e
 
 
-def _comm_error(e, messages, ranks, doing):
-    peers = ", ".join(f"rank {peer} ({kind} {nbytes} bytes)" for kind, peer, nbytes in messages)
+def _real(t):
+    return torch.view_as_real(t) if t.is_complex() else t
+
+
+def _comm_error(e, posted, ranks, doing):
+    peers = ", ".join(f"rank {peer} ({kind} {t.numel() * t.element_size()} bytes)" for kind, peer, t in posted)
     first = (str(e).strip().splitlines() or [type(e).__name__])[0]
     return CommError(f"rank {get_rank()}: {_running.op[0]} on ranks {ranks} {doing} {peers}: {first}")
 
@@ -973,24 +1190,33 @@ def _run(steps, group, depth=1, block=False, timeout_s=None):
     steps earlier produced (the rings keep depth <= segments per chunk to guarantee it).
     block: the CPU waits for every message (on NCCL too); timeout_s: that wait's deadline
     instead of the group's."""
-    ranks = group_ranks(group)
-    poll = block and _is_nccl(group)
-    posted = deque(_post(steps[i], group, ranks) for i in range(min(depth, len(steps))))
+    if not _initialized():  # one rank: no step has a message, only the then()s to run
+        for _, _, then in steps:
+            if then is not None:
+                then()
+        return
+    link, op, nccl = _link(group), _running.op, _is_nccl(group)
+    poll = block and nccl
+    posted = deque(_post(steps[i], link, op, nccl) for i in range(min(depth, len(steps))))
     for i, (_, _, then) in enumerate(steps):
         works, messages = posted.popleft()
         for j, work in enumerate(works):
             try:
-                _wait(work, poll, timeout_s)
+                if poll or timeout_s is not None:
+                    _wait(work, poll, timeout_s)
+                else:
+                    work.wait()
             except RuntimeError as e:
                 # gloo returns a work per message, so the messages from the failed one on are
                 # still awaited; NCCL returns one work for the whole step: all of them are
                 awaited = messages[j:] if len(works) == len(messages) else messages
                 timeout = "timed out" in str(e).lower() or "timeout" in str(e).lower()
-                raise _comm_error(e, awaited, ranks, ("timed out" if timeout else "failed") + " waiting for") from e
+                doing = ("timed out" if timeout else "failed") + " waiting for"
+                raise _comm_error(e, awaited, link.ranks, doing) from e
         if then is not None:
             then()
         if i + depth < len(steps):
-            posted.append(_post(steps[i + depth], group, ranks))
+            posted.append(_post(steps[i + depth], link, op, nccl))
 
 
 def _wait(work, poll, timeout_s):
@@ -1010,7 +1236,7 @@ def _wait(work, poll, timeout_s):
 
 
 def _is_nccl(group):
-    return _initialized() and dist.get_backend(_world(group)) == "nccl"
+    return _initialized() and _link(group).nccl
 
 # ----------------------------------------------------------------------------- async
 
@@ -1147,7 +1373,7 @@ def _launch(name, fn, async_op, device, group=None):
     """Run fn now, or hand it to the group's worker; traffic is charged to `name` unless untracked()."""
     tracked = _untracked_depth == 0  # decided when the op is issued, not when it runs
     key = _key(group)
-    entry = _flight_entry(name, group, device) if key is not None and name != "drain" else None
+    entry = _flight_entry(name, group, device) if key is not None and name != "drain" and _running.dry is None else None
     span = _trace_span(name, group, device, async_op) if _tracing and tracked and name != "drain" else None
     with _lock:
         worker = _workers.get(key)

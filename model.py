@@ -847,6 +847,7 @@ TRAIN_DEFAULTS = dict(
     resume="",              # "" start afresh | latest (newest in --out_dir, or afresh) | a checkpoint folder
     save_path="",           # where rank 0 saves the final full state_dict (torch.save), if set
     timeout_s=300,          # a collective that waits longer than this ends the run, naming whom it waited for
+    collectives="hand",     # hand: collectives.py's own, on point-to-point messages | torch: torch.distributed's
     trace="",               # write a Chrome trace (Perfetto, chrome://tracing) of every rank to this file
     trace_steps="2-4",      # the iterations it records: A-B (inclusive) or one number; warm-up stays out
     peak_flops=0.0,         # overrides the device's peak for MFU
@@ -954,6 +955,8 @@ def check_flags(cfg):
             die(f"--{k} must be at least 0, not {getattr(cfg, k)}")
     if cfg.eval_interval and cfg.eval_iters <= 0:
         die(f"--eval_iters must be positive when --eval_interval is set (or pass --eval_interval=0)")
+    if cfg.collectives not in ("hand", "torch"):
+        die(f"--collectives takes hand or torch, not {cfg.collectives!r}")
     if cfg.recompute not in RECOMPUTE:
         die(f"--recompute takes {', '.join(RECOMPUTE)}, not {cfg.recompute!r}")
     if cfg.recompute == "gelu" and cfg.compile:  # a compiled graph's saved tensors are not the GELU's
@@ -1040,6 +1043,7 @@ def start(cfg, strategy, moe=False):
             die(f"{os.path.join(cfg.data_dir, split + '.bin')} has {len(data)} tokens, too few for "
                 f"--block_size={config.block_size} (a window needs {config.block_size + 1})", scope="node")
     rank, world, local_rank, device = C.init_distributed(timeout_s=cfg.timeout_s)
+    C.use(cfg.collectives)  # the one switch: every C.all_reduce(...) of the strategy files runs on the choice
     torch.manual_seed(cfg.seed)
     # TF32 matmuls: ~free speed for float32 on Ampere and newer, but a float32 run then
     # rounds its products to 10 bits of mantissa, and CUDA's embedding and attention
@@ -1125,6 +1129,7 @@ def finish(run):
     if run.cfg.save_path:
         save_full_state(run, run.cfg.save_path)
     C.shutdown()
+    C.use("hand")  # a process that runs again (the tests' pool) starts from the default
     return run.log.records
 
 

@@ -4,9 +4,16 @@ collectives.py's hand-written collectives against torch.distributed's own, in on
     torchrun --nproc_per_node=4 bench/collectives_bench.py
     torchrun --nproc_per_node=4 bench/collectives_bench.py --sizes=16M,64M --segment_bytes=1M
     torchrun --nproc_per_node=4 bench/collectives_bench.py --backend=gloo   # CPU ranks on a GPU machine
+    torchrun --nproc_per_node=2 bench/collectives_bench.py --quick          # about a minute on 2 CPU cores
 
 S is the whole buffer, as in nccl-tests. time: the median over --iters runs of the slowest
-rank (a collective takes as long as its slowest rank); algbw = S/time; busbw = algbw times
+rank (a collective takes as long as its slowest rank), the best of --rounds rounds (ours
+and the built-in alternate within each); ours/builtin is ours' time over the built-in's
+(above 1: ours is slower), best over best, and
+range the lowest and highest of the rounds' own ratios (the machine's noise). host us: the
+Python (and adding) of one of ours with no wire, every message returning at once (the
+issuing thread's CPU time per op, best of the rounds): what each op costs before a byte
+moves, the whole cost on a GPU, where the wire takes tens of microseconds. algbw = S/time; busbw = algbw times
 the op's factor from nccl-tests' PERFORMANCE.md (2(N-1)/N for all_reduce, (N-1)/N for
 reduce_scatter, all_gather and all_to_all, 1 for broadcast and reduce), so that every op's
 busbw can be held against the link's bandwidth. --small_all_reduce_bytes and the other
@@ -27,7 +34,7 @@ sys.path.insert(0, ROOT)
 import collectives as C  # noqa: E402
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "reduce", "scatter", "gather")
-KNOBS = ("SMALL_ALL_REDUCE_BYTES", "LARGE_REDUCE_BYTES", "SEGMENT_BYTES", "PIPELINE_DEPTH")
+KNOBS = ("SMALL_ALL_REDUCE_BYTES", "LARGE_REDUCE_BYTES", "PAIR_EXCHANGE_BYTES", "SEGMENT_BYTES", "PIPELINE_DEPTH")
 
 
 def _size(text):  # "64K" -> 65536; a bad value is argparse's one-line error, not a traceback
@@ -83,10 +90,51 @@ def _cases(op, S, n, rank, device):
             "gather": (lambda: C.gather(full, part, 0), lambda: dist.gather(part, pieces, dst=0), ring)}[op]
 
 
+def _round(fns, iters, sync, device):
+    """-> {name: median seconds of the slowest rank} over `iters` runs of each, alternating."""
+    times = {name: [] for name in fns}
+    for _ in range(iters):  # alternate the two, so drift in the machine's load hits both
+        for name, fn in fns.items():
+            C.barrier()
+            sync()
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            times[name].append(time.perf_counter() - t0)
+    med = {}
+    for name, ts in times.items():
+        t = torch.tensor(ts, dtype=torch.float64, device=device)
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a collective takes as long as its slowest rank
+        med[name] = statistics.median(t.tolist())
+    return med
+
+
+def host_us(fn, iters, rounds, sync):
+    """Microseconds of the issuing thread's CPU per call of fn with no wire: each message is
+    counted and returns at once (collectives' dry run, what --collectives=torch counts bytes
+    with). The scratch it receives into holds garbage, so denormals are flushed, or adding them
+    would be timed. The flight record's entry (~1 us) is left out with the wire."""
+    torch.set_flush_denormal(True)
+    best = float("inf")
+    try:
+        for _ in range(rounds):
+            C._running.dry = 0
+            t0 = time.thread_time()
+            for _ in range(iters):
+                fn()
+            sync()
+            best = min(best, (time.thread_time() - t0) / iters)
+    finally:
+        C._running.dry = None
+        torch.set_flush_denormal(False)
+    return best * 1e6
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="collectives_bench.py",
                                 description="hand-written collectives against torch.distributed's own")
-    p.add_argument("--sizes", type=_sizes, default="4K,64K,1M,16M,64M")
+    p.add_argument("--sizes", type=_sizes, default="4,4K,295K,4M,64M")
     p.add_argument("--max_size", type=_size, default="64M")
     p.add_argument("--iters", type=_count, default=10)
     p.add_argument("--warmup", type=int, default=2)
@@ -96,7 +144,12 @@ def main(argv=None):
     for knob in KNOBS:  # --segment_bytes=4M and so on, to measure the choices in collectives.py
         p.add_argument("--" + knob.lower(), type=_count if knob == "PIPELINE_DEPTH" else _size,
                        default=getattr(C, knob))
+    p.add_argument("--rounds", type=_count, default=3)
+    p.add_argument("--quick", action="store_true",
+                   help="all_reduce, reduce_scatter and all_gather at 4K, 295K (a tensor-parallel activation) and 4M")
     args = p.parse_args(argv)  # before any process group: a bad flag fails every rank at once
+    if args.quick:
+        args.ops, args.sizes, args.iters = ["all_reduce", "reduce_scatter", "all_gather"], _sizes("4K,295K,4M"), 20
     for knob in KNOBS:
         setattr(C, knob, getattr(args, knob.lower()))
     warnings.filterwarnings("ignore", category=FutureWarning)  # all_gather_into_tensor & co. on torch >= 2.12
@@ -106,10 +159,10 @@ def main(argv=None):
     if rank == 0:
         print(f"{n} ranks, {dist.get_backend() if grouped else 'no group'} on {device}; "
               + ", ".join(f"{k.lower()}={getattr(C, k)}" for k in KNOBS))
-        print(f"time: median over {args.iters} runs of the slowest rank; algbw = S/time, busbw = algbw * "
-              "nccl-tests' factor, in GB/s")
+        print(f"time: median over {args.iters} runs of the slowest rank, best of {args.rounds} rounds; algbw = "
+              "S/time, busbw = algbw * nccl-tests' factor, in GB/s; host us: ours with no wire")
         print(f"{'op':<15}{'size':>5} |{'ours ms':>10}{'algbw':>8}{'busbw':>8} |{'builtin ms':>11}{'algbw':>8}"
-              f"{'busbw':>8} |{'ours/builtin':>13}")
+              f"{'busbw':>8} |{'ours/builtin':>13}{'range':>12}|{'host us':>8}")
     for op in args.ops:
         for S in [s for s in args.sizes if s <= args.max_size]:
             ours, builtin, factor = _cases(op, S, n, rank, device)
@@ -121,26 +174,19 @@ def main(argv=None):
                 del fns["builtin"]
             for _ in range(args.warmup):
                 ours()
-            times = {name: [] for name in fns}
-            for _ in range(args.iters):  # alternate the two, so drift in the machine's load hits both
-                for name, fn in fns.items():
-                    C.barrier()
-                    sync()
-                    t0 = time.perf_counter()
-                    fn()
-                    sync()
-                    times[name].append(time.perf_counter() - t0)
-            med = {}
-            for name, ts in times.items():
-                t = torch.tensor(ts, dtype=torch.float64, device=device)
-                if grouped:
-                    dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a collective takes as long as its slowest rank
-                med[name] = statistics.median(t.tolist())
+            best, ratios = {}, []
+            for _ in range(args.rounds):
+                med = _round(fns, args.iters, sync, device)
+                best = {k: min(best.get(k, v), v) for k, v in med.items()}
+                if len(med) == 2:
+                    ratios.append(med["ours"] / med["builtin"])
+            host = host_us(ours, args.iters, args.rounds, sync)
             if rank == 0:
-                cols = [f"{med[k] * 1e3:>{w}.3f}{S / med[k] / 1e9:>8.3f}{S / med[k] / 1e9 * factor:>8.3f}"
-                        if k in med else f"{'n/a':>{w + 16}}" for k, w in (("ours", 10), ("builtin", 11))]
-                ratio = f"{med['builtin'] / med['ours']:>13.2f}" if len(med) == 2 else f"{'n/a':>13}"
-                print(f"{op:<15}{_size_name(S):>5} |{cols[0]} |{cols[1]} |{ratio}", flush=True)
+                cols = [f"{best[k] * 1e3:>{w}.3f}{S / best[k] / 1e9:>8.3f}{S / best[k] / 1e9 * factor:>8.3f}"
+                        if k in best else f"{'n/a':>{w + 16}}" for k, w in (("ours", 10), ("builtin", 11))]
+                ratio = f"{best['ours'] / best['builtin']:>13.2f}{min(ratios):>6.2f}-{max(ratios):<5.2f}" \
+                    if ratios else f"{'n/a':>13}{'':12}"
+                print(f"{op:<15}{_size_name(S):>5} |{cols[0]} |{cols[1]} |{ratio}|{host:>8.0f}", flush=True)
     C.shutdown()
 
 

@@ -143,6 +143,9 @@ def verdicts(part, result, device):
     if part == "device":
         ok, detail = device_verdict(result.get("facts", {}), device)
         out.append((ok, "device", detail))
+    if part == "device" and result.get("host_us"):
+        ok, detail = host_verdict(result["host_us"], device)
+        out.append((ok, "host cost per op", detail))
     for dtype, tol in checked_dtypes(part, device):
         for name, _, _ in STRATEGIES:
             key = f"{name} {dtype}" + (" compiled" if part == "compile" else "")
@@ -175,6 +178,58 @@ def verdicts(part, result, device):
     if result.get("error") and part != "speed":
         out.append((False, f"{part}", result["error"]))
     return out
+
+
+# ----------------------------------------------------------------------------- the host's cost per op
+
+HOST_OPS = [("all_reduce", 4 << 10), ("all_reduce", 295 << 10), ("all_reduce", 4 << 20),
+            ("reduce_scatter", 295 << 10), ("all_gather", 295 << 10)]
+HOST_US_MAX = 50  # on a GPU the wire takes tens of microseconds: the host must not take more
+
+
+def host_cost(device):
+    """-> {"op size": microseconds} that collectives.py's Python (and its adds, on the device)
+    takes to issue one op between two ranks, with no wire: one rank, told its group has two,
+    and every message counted and returned at once (the dry run --collectives=torch counts
+    bytes with; torch's own posting call, a few us, is left out). Timed on the host: what a
+    GPU run pays before NCCL moves a byte."""
+    import torch
+    import torch.distributed as dist
+    import collectives as C
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device == "cuda" else "gloo", store=dist.HashStore(), rank=0, world_size=1)
+    dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
+    if device == "cpu":
+        torch.set_num_threads(1)  # as the other parts: OpenMP's spinning threads on a busy CPU time the machine
+    link = C._link(None)
+    real = (link.n, link.ranks, link.index)
+    link.n, link.ranks, link.index = 2, [0, 1], {0: 0, 1: 1}  # a peer that is never asked
+    out = {}
+    try:
+        for op, size in HOST_OPS:
+            full, part = torch.zeros(size // 4, device=dev), torch.zeros(size // 8, device=dev)
+            call = dict(all_reduce=lambda: C.all_reduce(full), reduce_scatter=lambda: C.reduce_scatter(part, full),
+                        all_gather=lambda: C.all_gather(full, part))[op]
+            C._running.dry = 0
+            best = float("inf")
+            for _ in range(3):
+                t0 = time.perf_counter()
+                for _ in range(30):
+                    call()
+                best = min(best, (time.perf_counter() - t0) / 30)
+            C._running.dry = None
+            out[f"{op} {size >> 10}K"] = best * 1e6
+    finally:
+        C._running.dry = None
+        link.n, link.ranks, link.index = real
+        dist.destroy_process_group()
+    return out
+
+
+def host_verdict(host_us, device):
+    worst = max(host_us.values())
+    detail = "host us per op, 2 ranks, no wire: " + ", ".join(f"{k} {v:.0f}" for k, v in host_us.items())
+    return device == "cpu" or worst <= HOST_US_MAX, detail + f" (at most {HOST_US_MAX} on a GPU)"
 
 
 def report(lines):
@@ -282,6 +337,8 @@ def child(part, device, data, out, iters):
             json.dump(result, f)
     if part == "device":  # first: a faked or broken CUDA must give facts, not a traceback
         result["facts"] = device_check()
+        if not result["facts"].get("error"):
+            result["host_us"] = host_cost(device)
         return save()
     gpu = device == "cuda"
     if gpu:

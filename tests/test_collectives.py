@@ -59,10 +59,11 @@ def tiny_seg(numel):
 
 @contextlib.contextmanager
 def tuned(tree=None, seg=None):
-    """Temporarily force a path: tree=0 sends all_reduce and reduce of every size round the ring."""
-    knobs = ("SMALL_ALL_REDUCE_BYTES", "LARGE_REDUCE_BYTES", "SEGMENT_BYTES")
+    """Temporarily force a path: tree=0 sends all_reduce and reduce of every size round the ring
+    (two ranks too, instead of their one exchange)."""
+    knobs = ("SMALL_ALL_REDUCE_BYTES", "LARGE_REDUCE_BYTES", "PAIR_EXCHANGE_BYTES", "SEGMENT_BYTES")
     saved = {k: getattr(C, k) for k in knobs}
-    for k, v in zip(knobs, (tree, tree, seg)):
+    for k, v in zip(knobs, (tree, tree, None if tree is None else tree - 1, seg)):
         if v is not None:
             setattr(C, k, v)
     try:
@@ -543,6 +544,22 @@ def check_subgroups(rank, n):
             C.broadcast(torch.zeros(3), 0, group=trio)  # rank 0 is not in the trio
 
 
+def check_builtins(rank, n):
+    """--collectives=torch (C.use): the same checks on torch.distributed's own collectives, and
+    the same bytes counted as the hand-written ones send. -> check_bytes' result."""
+    C.use("torch")
+    try:
+        assert C.all_reduce is not C._HAND["all_reduce"]
+        light = dict(dtypes=[torch.float32, torch.int64], sizes=[7, 1009])
+        check_reductions(rank, n, seed=200, **light)
+        check_movement(rank, n, seed=300, **light)
+        check_noncontiguous(rank, n)
+        check_all_to_all_splits(rank, n)
+        return check_bytes(rank, n)
+    finally:
+        C.use("hand")
+
+
 def all_checks(rank, n):
     torch.manual_seed(0)
     check_reductions(rank, n)
@@ -553,6 +570,8 @@ def all_checks(rank, n):
     check_send_recv(rank, n)
     check_bad_input(rank, n)
     result = check_bytes(rank, n)
+    if n in (2, 4):
+        assert check_builtins(rank, n) == result, "the built-ins count other bytes than the hand-written ones send"
     check_all_to_all_splits(rank, n)
     check_world_is_explicit(rank, n)
     check_stats_and_barrier(rank, n)
@@ -705,7 +724,9 @@ def never_arrives(rank, n):
 
 def test_timeout_names_whom_it_waited_for():
     (sync, worker, again), (barrier, stats), (by_store, by_gloo, store_timeout) = spawn(never_arrives, 2, timeout=60, fresh=True)[0]
-    assert sync.startswith("rank 0: all_reduce on ranks [0, 1] timed out waiting for rank 1 (recv 4096 bytes): "), sync
+    # two ranks all-reduce by one exchange: its send is still awaited beside the receive
+    assert sync.startswith("rank 0: all_reduce on ranks [0, 1] timed out waiting for rank 1 (recv 4096 bytes), "
+                           "rank 1 (send 4096 bytes): "), sync
     assert worker.startswith("rank 0: broadcast on ranks [0, 1] timed out waiting for rank 1 (recv 24 bytes): "), worker
     assert again.startswith("rank 0: gather on ranks [0, 1] ") and "rank 1 (recv 4 bytes)" in again, again
     assert barrier.startswith("rank 0: barrier on ranks [0, 1] timed out waiting for rank 1 (recv 4 bytes): "), barrier
