@@ -853,6 +853,8 @@ def main(argv=None):
         M.die("--pp, --dp_shard, --cp and --tp must be at least 1, --dp_replicate (--dp) at least 0 (0: the rest)")
     if cfg.schedule not in PP.SCHEDULES:
         M.die(f"--schedule takes {', '.join(PP.SCHEDULES)}, not {cfg.schedule!r}")
+    if cfg.schedule == "zbv":  # the mesh's Stage holds chunks r, r+p, ..., not the V
+        M.die("--schedule=zbv: not on the mesh yet (pipeline_parallel.py runs it)")
     if cfg.layout not in CP.LAYOUTS:
         M.die(f"--layout takes {' or '.join(CP.LAYOUTS)}, not {cfg.layout!r}")
     if cfg.zero_stage not in (1, 2, 3):

@@ -7,6 +7,7 @@ micro-batches that flow through the chunks like cars down an assembly line.
     torchrun --nproc_per_node=4 pipeline_parallel.py --n_micro=8 --schedule=1f1b --timeline=True
     torchrun --nproc_per_node=4 pipeline_parallel.py --n_micro=8 --schedule=interleaved --virtual_stages=2
     torchrun --nproc_per_node=2 pipeline_parallel.py --schedule=zb
+    torchrun --nproc_per_node=4 pipeline_parallel.py --n_micro=8 --schedule=zbv --timeline=True
 
 The schedules (p ranks; the bubble is the idle share of the step, at unit costs):
   gpipe        all m forwards, then all m backwards (Huang et al. 2019): holds m micro-batches.
@@ -18,13 +19,20 @@ The schedules (p ranks; the bubble is the idle share of the step, at unit costs)
   zb           ZB-H1 (Qi et al. 2023, "Zero Bubble Pipeline Parallelism"): each backward split in
                B (the input's gradient, which the previous rank waits for) and W (the weights',
                which nobody waits for), W deferred into the cool-down's bubble: with F = B = W
-               and m >= p, (p-1)/(3m+p-1), and 1F1B's memory.
+               and m >= p, (p-1)/(3m+p-1), and 1F1B's memory. B leaves each linear's input
+               and output gradient in a store, from which W computes the weights' gradients:
+               B + W is one backward's work (the W store, below).
+  zbv          ZB-V (the same paper): two chunks a rank in a V, r on the way down and 2p-1-r
+               on the way back, so rank 0 holds both ends; at F = B = W of a chunk, bubble
+               (p-1)/(6m+p-1) once m >= (3p-1)/2 (half ZB-H1's idle time), and at most p
+               stages' activations on every rank, 1F1B's first stage's.
 
 What it sends: only point to point, to the rank that holds the next (previous) chunk: each
 micro-batch's activation, b·s·h float32 numbers (b = batch_size/m), forward across every
 chunk boundary, and its gradient back; float32 under bf16 too, since the boundary cuts the
 residual stream, which autocast keeps in float32. After the pipeline drains: the first and
-the last rank swap their copies' gradients of the tied embedding/head (V·h each way), and
+the last rank swap their copies' gradients of the tied embedding/head (V·h each way; ZB-V:
+rank 0 holds both ends, one matrix, and nothing is sent), and
 one float (the squared gradient norm) is summed over the ranks. traffic_per_rank() counts it.
 
 Each schedule is a list of actions per rank (schedule(), plan()), run one by one by the
@@ -377,10 +385,11 @@ def deferred_linear(linear, executor, x):
 
 @torch.no_grad()  # x is a tensor of the forward's graph: no graph for its product
 def weight_grads(store):
-    """W: dW = dYᵀ x for each linear of a micro-batch, summed over its tokens, added to .grad."""
+    """W: dW = dYᵀ x for each linear of a micro-batch, summed over its tokens, accumulated
+    into .grad as autograd accumulates (param.backward(dW): a leaf, so nothing is walked),
+    which also runs the gradient hooks a caller may have set (data parallel buckets)."""
     for param, x, dy in store:
-        dw = (dy.flatten(0, -2).t() @ x.flatten(0, -2)).to(param.dtype)  # (out, in)
-        param.grad = dw if param.grad is None else param.grad.add_(dw)
+        param.backward((dy.flatten(0, -2).t() @ x.flatten(0, -2)).to(param.dtype))  # (out, in)
 
 
 def store_bytes(store):
