@@ -377,6 +377,8 @@ def deferred_linear(linear, executor, x):
     Under autocast, its inputs cast first as autocast casts F.linear's (the cast's backward
     brings the bias's gradient back to float32, as in the one-process run)."""
     w, b = linear.weight, linear.bias
+    if executor.store is None:  # a forward without W (evaluation; a plan that does not split)
+        return nn.functional.linear(x, w, b)
     if torch.is_autocast_enabled(x.device.type):
         dtype = torch.get_autocast_dtype(x.device.type)
         x, w, b = x.to(dtype), w.to(dtype), None if b is None else b.to(dtype)
