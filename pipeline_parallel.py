@@ -804,8 +804,9 @@ def max_held(actions):
 
 
 def draw(timelines, width):
-    """One text line per rank, `width` columns over the span: F, B or W where one runs,
-    '.' where the rank waits."""
+    """One text line per rank, `width` columns over the span: F, B or W where one runs
+    (f, b, w: a chunk of the rank's but its first, as ZB-V's way back up), '.' where the
+    rank waits."""
     t0 = min(t[0][1] for t in timelines)
     dt = (max(t[-1][2] for t in timelines) - t0) / width
     lines = []
@@ -813,7 +814,7 @@ def draw(timelines, width):
         row = ["."] * width
         for a, start, end in t:
             for c in range(round((start - t0) / dt), round((end - t0) / dt)):
-                row[min(c, width - 1)] = a.kind
+                row[min(c, width - 1)] = a.kind if a.chunk < len(timelines) else a.kind.lower()
         lines.append(f"  stage {r}: {''.join(row)}  idle {idle:.0%}")
     return "\n".join(lines)
 

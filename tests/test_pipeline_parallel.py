@@ -42,6 +42,8 @@ AT = 2  # the step the checkpoints below are written at: the short runs' last st
 RESUMED = ("zbv", 4, S)  # at 2 stages: checkpointed at step AT and resumed
 CROSS = ("zbv", 4, S)  # at 2 stages: its step-AT checkpoint (rank 0 holding both ends) loads into 1F1B at 3
 BATCH, BLOCK = 24, 32  # of conftest.TRAIN_ARGS
+# at 2 stages: ZB-H1 with each block rerun in backward, once, for B and W together
+FULL_RECOMPUTE = ["--schedule=zb", "--n_micro=4", "--recompute=full", f"--max_iters={S}"]
 # bf16 on a CPU is slow (no bf16 matmul units): a short run of small batches
 # measured: the pipeline drifts from the one-process bf16 run by up to 1.5e-4 in these 4
 # steps (1.8e-4 in 20 steps of the full batch); a bug (a gradient missing, a wrong
@@ -213,6 +215,34 @@ def test_checkpoint_entries_cover_the_model_once():
         assert loaded_only == ([] if p == 1 else [("transformer.wte.weight", (config.vocab_size, config.n_embd))])
 
 
+def test_b_leaves_the_weights_gradients_to_w(monkeypatch):
+    """ZB's B computes the input's gradient and the norms', biases' and ends' (one backward,
+    walked once), and leaves each block linear's weight gradient to W: at the first W none
+    of those has a gradient yet, and the micro-batch's store holds 4 linears a block, their
+    inputs and output gradients (16h numbers a token a layer). After W, every gradient is
+    1F1B's (the full backward's)."""
+    config = M.make_config("tiny", VOCAB, block_size=BLOCK)
+    stage, m, b = PP.Stage(config, 0, 1, 0), 2, 3
+    rows = torch.randint(0, VOCAB, (m * b, BLOCK + 1), generator=torch.Generator().manual_seed(0))
+    batch = lambda k: (rows[k * b:(k + 1) * b, :-1], rows[k * b:(k + 1) * b, 1:])  # noqa: E731
+    PP.Executor(stage, (b, BLOCK, config.n_embd), m).run(PP.plan("1f1b", 1, m, 0), batch)
+    full = {n: p.grad.clone() for n, p in stage.named_parameters()}
+    stage.zero_grad(set_to_none=True)
+    at_w, weight_grads = [], PP.weight_grads
+
+    def first_w(store):
+        at_w.append(({n for n, p in stage.named_parameters() if p.grad is None}, store_bytes(store), len(store)))
+        weight_grads(store)
+    store_bytes = PP.store_bytes
+    monkeypatch.setattr(PP, "weight_grads", first_w)
+    PP.Executor(stage, (b, BLOCK, config.n_embd), m).run(PP.plan("zb", 1, m, 0), batch)
+    deferred = {n for n, p in stage.transformer["h"].named_parameters(prefix="transformer.h") if p.dim() == 2}
+    assert len(at_w) == m and at_w[0][0] == deferred and len(deferred) == 4 * config.n_layer
+    assert at_w[0][1:] == (PP.w_store_bytes(config, b * BLOCK, config.n_layer), 4 * config.n_layer)
+    for n, p in stage.named_parameters():
+        assert torch.allclose(p.grad, full[n], rtol=1e-5, atol=1e-7), n
+
+
 def test_bad_input_in_process(train_args, capsys):
     for flags, message in ((["--schedule=dualpipev"],
                             "error: --schedule takes gpipe, 1f1b, interleaved, zb, zbv, not 'dualpipev'"),
@@ -249,6 +279,7 @@ def _run_all(rank, world, train_args, out, cross=None):
                                                            f"--resume={out}/ckpt/step_{AT:06d}"])[0]
         for m in (1, 4):
             results[("bf16", m)] = _quiet(PP.main, train_args + BF16_ARGS + [f"--n_micro={m}"])[0]
+        results["zb_full"] = _quiet(PP.main, train_args + FULL_RECOMPUTE)[0]
     if world == 3:  # 1F1B on 3 stages from the checkpoint of interleaved on 2 x 2 chunks
         path = os.path.join(out, "pp_cross.pt")
         results["cross"] = (_quiet(PP.main, train_args + ["--n_micro=4", f"--resume={cross}", f"--max_iters={CROSS[2]}",
@@ -403,6 +434,16 @@ def uneven_reference(train_args, records, state, tmp_path):
         ref = ddp.main(train_args + ["--model=small", f"--max_iters={S}", f"--save_path={path}"])
     assert_logs_match(records, ref, 1e-4)
     assert_states_match(state, torch.load(path), 1e-5)
+
+
+def test_zb_with_full_recompute(runs, train_args, reference_short):
+    """--recompute=full under ZB-H1: B reruns each block's forward once and W needs no rerun
+    (it reads the store): the reference's losses, and act_bytes the formula's, in which the
+    store (16h a token a layer) outweighs what the blocks keep (h)."""
+    records = runs(2)["zb_full"]
+    assert_logs_match(records, reference_short[0], 1e-4)
+    config, cfg = M.make_config("tiny", VOCAB, block_size=BLOCK), M.parse_args(PP.DEFAULTS, train_args + FULL_RECOMPUTE)
+    assert all(r["act_bytes"] == PP.activation_per_rank(config, cfg, 2) for r in records)
 
 
 def test_resume_is_exact(runs):
