@@ -427,7 +427,7 @@ class Executor:
         """Execute a plan. batch(m) -> (inputs, targets) of micro-batch m. stamps: a list
         that gets (M.now(), M.now()) around each compute (CUDA events on a GPU: the CPU
         does not wait). -> the micro-batches' losses on the last stage, [] elsewhere."""
-        self.mail, self.held, self.losses = {}, {}, []  # held: (chunk, m) -> (input, output, bytes, grad)
+        self.mail, self.held, self.losses = {}, {}, []  # held: (chunk, m) -> (input, output, bytes, W store)
         self.peak_held = self.peak_bytes = 0
         self.split = any(isinstance(a, Compute) and a.kind == "W" for a in actions)  # B leaves the weights' to W
         if self.split and not self.deferring:  # from now on (evaluation too: the same forward)

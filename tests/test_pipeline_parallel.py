@@ -39,8 +39,8 @@ CONFIGS_AT = {2: [("gpipe", 1, S), ("gpipe", 4, S), ("gpipe", 8, S), ("1f1b", 4,
 V = 2  # --virtual_stages of the interleaved runs (the default)
 TIMELINES = (("1f1b", 8), ("zb", 4), ("interleaved", 4), ("zbv", 4))  # the runs that print --timeline
 AT = 2  # the step the checkpoints below are written at: the short runs' last step is resumed
-RESUMED = ("zbv", 4, S)  # at 2 stages: checkpointed at step AT and resumed
-CROSS = ("zbv", 4, S)  # at 2 stages: its step-AT checkpoint (rank 0 holding both ends) loads into 1F1B at 3
+RESUMED = ("zbv", 4, S)  # at 2 stages: checkpointed at step AT and resumed, and (rank 0 holding both
+CROSS = RESUMED  # ends of the tie) loaded into 1F1B at 3 stages
 BATCH, BLOCK = 24, 32  # of conftest.TRAIN_ARGS
 # at 2 stages: ZB-H1 with each block rerun in backward, once, for B and W together
 FULL_RECOMPUTE = ["--schedule=zb", "--n_micro=4", "--recompute=full", f"--max_iters={S}"]
@@ -269,8 +269,6 @@ def _run_all(rank, world, train_args, out, cross=None):
                  f"--timeline={(schedule, m) in TIMELINES}"]
         if world == 2 and (schedule, m, steps) == RESUMED:  # the run that a resume must continue exactly
             flags += [f"--out_dir={out}/ckpt", f"--ckpt_interval={AT}"]
-        if world == 2 and (schedule, m, steps) == CROSS:
-            flags += [f"--out_dir={out}/ckpt_cross", f"--ckpt_interval={AT}"]
         records, printed = _quiet(PP.main, train_args + flags)
         results[(schedule, m)] = (records, path, printed)
     if world == 2:
@@ -334,7 +332,7 @@ def runs(train_args, tmp_path_factory):
 
     def at(world):
         if world not in done:
-            cross = os.path.join(folders[2], "ckpt_cross", f"step_{AT:06d}") if world == 3 and at(2) else None
+            cross = os.path.join(folders[2], "ckpt", f"step_{AT:06d}") if world == 3 and at(2) else None
             folders[world] = str(tmp_path_factory.mktemp(f"pp{world}"))
             done[world] = spawn(_run_all, world, train_args, folders[world], cross, timeout=600)[0]
         return done[world]
