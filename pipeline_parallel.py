@@ -372,17 +372,17 @@ class DeferredLinear(torch.autograd.Function):
         return dy @ weight, None, db, None, None
 
 
-def deferred_linear(linear, executor, x):
-    """linear(x) through DeferredLinear, into the store of the micro-batch the executor runs.
-    Under autocast, its inputs cast first as autocast casts F.linear's (the cast's backward
-    brings the bias's gradient back to float32, as in the one-process run)."""
-    w, b = linear.weight, linear.bias
+def deferred_linear(executor, x, weight, bias=None):
+    """F.linear(x, weight, bias) through DeferredLinear, into the store of the micro-batch the
+    executor runs. Under autocast, its inputs cast first as autocast casts F.linear's (the
+    cast's backward brings the bias's gradient back to float32, as in the one-process run)."""
     if executor.store is None:  # a forward without W (evaluation; a plan that does not split)
-        return nn.functional.linear(x, w, b)
+        return nn.functional.linear(x, weight, bias)
+    w, b = weight, bias
     if torch.is_autocast_enabled(x.device.type):
         dtype = torch.get_autocast_dtype(x.device.type)
         x, w, b = x.to(dtype), w.to(dtype), None if b is None else b.to(dtype)
-    return DeferredLinear.apply(x, w, b, linear.weight, executor.store)
+    return DeferredLinear.apply(x, w, b, weight, executor.store)
 
 
 @torch.no_grad()  # x is a tensor of the forward's graph: no graph for its product
@@ -431,9 +431,7 @@ class Executor:
         self.peak_held = self.peak_bytes = 0
         self.split = any(isinstance(a, Compute) and a.kind == "W" for a in actions)  # B leaves the weights' to W
         if self.split and not self.deferring:  # from now on (evaluation too: the same forward)
-            for linear in self.stage.transformer["h"].modules():
-                if isinstance(linear, nn.Linear):
-                    linear.forward = partial(deferred_linear, linear, self)
+            self.defer_weight_grads()
             self.deferring = True
         for a in actions:
             if isinstance(a, Exchange):
@@ -447,6 +445,13 @@ class Executor:
             if stamps is not None:
                 stamps.append((start, M.now(self.device)))
         return self.losses
+
+    def defer_weight_grads(self):
+        """Route each linear layer of the stage's blocks through deferred_linear (zb, zbv). A
+        stage whose blocks hold other linear layers (tensor parallel's) overrides this."""
+        for linear in self.stage.transformer["h"].modules():
+            if isinstance(linear, nn.Linear):
+                linear.forward = lambda x, linear=linear: deferred_linear(self, x, linear.weight, linear.bias)
 
     def exchange(self, a):
         """send_forward (an activation to the next chunk's rank), send_backward (a gradient
