@@ -384,7 +384,7 @@ def test_parity_traffic_memory(world, train_args, reference, reference_short, ru
             assert r["act_bytes"] == PP.activation_per_rank(config, cfg, world), where
             assert len(r["idle_frac"]) == world and all(0 <= f < 1 for f in r["idle_frac"]), where
             assert r["bubble_theory"] == PP.bubble(schedule, world, m, V)
-    # activation bytes: 1F1B holds min(p-s, m) micro-batches' worth where GPipe holds m, ZB-H1 less than min(p, m)
+    # activation bytes: 1F1B holds min(p-s, m) micro-batches' worth where GPipe holds m, ZB-H1 at most min(p, m)
     for m in (4, 8):
         if ("gpipe", m) not in results or ("1f1b", m) not in results:
             continue
@@ -392,8 +392,8 @@ def test_parity_traffic_memory(world, train_args, reference, reference_short, ru
         for s in range(world):
             assert onefoneb[s] * m == gpipe[s] * min(world - s, m), f"stage {s}, {m} micro-batches"
             assert onefoneb[s] < gpipe[s] or world - s >= m
-            if ("zb", m) in results:  # min(p, m) micro-batches, some of them down to their W store
-                assert results[("zb", m)][0][-1]["act_bytes"][s] * m < gpipe[s] * min(world, m)
+            if ("zb", m) in results:  # min(p, m) micro-batches, those past B down to their W store
+                assert results[("zb", m)][0][-1]["act_bytes"][s] * m <= gpipe[s] * min(world, m)
     # the printed timeline: the schedule, on paper, and measured, one line per stage
     printed = results[("1f1b", 8)][2]
     assert PP.draw(PP.simulate("1f1b", world, 8), 3 * (8 + world - 1)) in printed
