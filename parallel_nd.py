@@ -84,8 +84,8 @@ A unit's gathers are float32: the stage's modules hold float32 weights that auto
 Flags: --pp, --dp_replicate (--dp is its old name; 0: the rest), --dp_shard, --cp, --tp;
 --zero_stage as fsdp.py's; --layout (zigzag, contiguous) as context_parallel.py's;
 --schedule, --n_micro (0: 2·pp with a pipeline, 1 without), --virtual_stages as
-pipeline_parallel.py's (zb with --tp=1 --cp=1: its W walks backward again, which would
-repeat tensor parallel's all-reduces and the ring); --sequence_parallel as
+pipeline_parallel.py's (not zbv yet; zb's W reads its W store, so no all-reduce or ring
+step repeats); --sequence_parallel as
 tensor_parallel.py's; --bucket_mb and --overlap as ddp.py's; --n_expert (--top_k,
 --aux_loss_coef) as model.py's, with --ep (1: every rank holds every expert) and
 --dispatch as expert_parallel.py's.
@@ -591,6 +591,14 @@ class Executor(PP.Executor):
             self.buckets.sync = a.micro == self.n_micro - 1
         super().weight_grad(a, *args)
 
+    def defer_weight_grads(self):  # --schedule=zb: f and g as in tensor_parallel.py, the matmul's dW to W
+        for mod in self.stage.transformer["h"].modules():
+            if isinstance(mod, TP.ColumnParallelLinear):
+                mod.forward = lambda x, mod=mod: PP.deferred_linear(self, mod.f(x, mod.group), mod.weight, mod.bias)
+            elif isinstance(mod, TP.RowParallelLinear):
+                mod.forward = lambda x, mod=mod: mod.g(PP.deferred_linear(self, x, mod.weight), mod.group) + (
+                    0 if mod.bias is None else mod.bias)
+
 # -----------------------------------------------------------------------------
 # dp_shard: a stage's units sharded over the shard group (fsdp.py's ZeRO, on module parameters)
 
@@ -825,9 +833,6 @@ def layout(cfg, config, world, check=True):
               f"({cfg.layout} layout{', two chunks a rank' if cfg.layout == 'zigzag' else ''})")
     if pp > config.n_layer:
         M.die(f"--pp={pp} stages but the model has {config.n_layer} blocks: each stage needs at least one")
-    if cfg.schedule == "zb" and (tp > 1 or cp > 1):  # W walks backward again: tp's and the ring's messages twice
-        M.die("--schedule=zb needs --tp=1 and --cp=1 here: its W re-runs the backward, tensor parallel's "
-              "all-reduces and the ring with it")
     v = PP.virtual_stages(cfg)
     if cfg.schedule == "interleaved" and (v < 1 or cfg.n_micro % pp or pp * v > config.n_layer):
         M.die(f"--schedule=interleaved needs --n_micro ({cfg.n_micro}) divisible by --pp={pp} and --pp x "
