@@ -1,15 +1,18 @@
 """pipeline_parallel.py: the schedules on paper, then real runs against the one-process reference.
 
 On paper (no model): for p = 1..8 and many m, every rank's action list is complete, each
-compute is fed by the exchange before it and its output leaves in an exchange after it, to
-the right neighbour; the simulated run ends without deadlock, and its bubble is each
-schedule's formula exactly; 1F1B holds at most p-r micro-batches, ZB-H1 min(p, m), GPipe m;
-and the executor hands every exchange to C.sendrecv with the peers' global ranks.
+compute is fed by the exchange before it (ZB-V: by one before it) and its output leaves in an
+exchange after it, to the right neighbour; the simulated run ends without deadlock, and its
+bubble is each schedule's formula exactly; 1F1B holds at most p-r micro-batches, ZB-H1
+min(p, m), ZB-V min(2p, m+1+r, 2m) half-stage chunks, GPipe m; and the executor hands every
+exchange to C.sendrecv with the peers' global ranks. In one process: ZB's B leaves the block
+linears' weight gradients to W, whose store holds the formula's bytes.
 Real runs: one spawn per world size runs the schedules at several m (1F1B with one
 micro-batch is GPipe's plan, so it runs once; the extra runs go 3 steps, one run per
 schedule and world 20) and checks loss, parameters, traffic, memory and the peak
-micro-batches held; at 2 stages also an exact resume of a ZB-H1 run and a bf16 run; at 4,
-two pipelines side by side on sub-groups of non-neighbouring global ranks.
+micro-batches held, and act_bytes against activation_per_rank; at 2 stages also an exact
+resume of a ZB-V run (whose checkpoint 1F1B loads at 3 stages), ZB-H1 with --recompute=full
+and a bf16 run; at 4, two pipelines side by side on sub-groups of non-neighbouring global ranks.
 """
 import contextlib
 import io
