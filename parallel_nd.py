@@ -342,6 +342,14 @@ class Executor(PP.Executor):
             x.sync = a.micro == self.n_micro - 1
         super().weight_grad(a, *args)
 
+    def defer_weight_grads(self):  # --schedule=zb: f and g as in tensor_parallel.py, the matmul's dW to W
+        for mod in self.stage.transformer["h"].modules():
+            if isinstance(mod, TP.ColumnParallelLinear):
+                mod.forward = lambda x, mod=mod: PP.deferred_linear(self, mod.f(x, mod.group), mod.weight, mod.bias)
+            elif isinstance(mod, TP.RowParallelLinear):
+                mod.forward = lambda x, mod=mod: mod.g(PP.deferred_linear(self, x, mod.weight), mod.group) + (
+                    0 if mod.bias is None else mod.bias)
+
 # -----------------------------------------------------------------------------
 # dp_shard: a stage's units sharded over the shard group (fsdp.py's ZeRO, on module parameters)
 
@@ -600,9 +608,6 @@ def layout(cfg, config, world, check=True):
               f"({cfg.layout} layout{', two chunks a rank' if cfg.layout == 'zigzag' else ''})")
     if pp > config.n_layer:
         M.die(f"--pp={pp} stages but the model has {config.n_layer} blocks: each stage needs at least one")
-    if cfg.schedule == "zb" and (tp > 1 or cp > 1):  # W walks backward again: tp's and the ring's messages twice
-        M.die("--schedule=zb needs --tp=1 and --cp=1 here: its W re-runs the backward, tensor parallel's "
-              "all-reduces and the ring with it")
     v = PP.virtual_stages(cfg)
     if cfg.schedule == "interleaved" and (v < 1 or cfg.n_micro % pp or pp * v > config.n_layer):
         M.die(f"--schedule=interleaved needs --n_micro ({cfg.n_micro}) divisible by --pp={pp} and --pp x "
@@ -628,8 +633,8 @@ def check_flags(cfg):
         M.die("--pp, --dp_shard, --cp and --tp must be at least 1, --dp_replicate at least 0 (0: the rest)")
     if cfg.schedule not in PP.SCHEDULES:
         M.die(f"--schedule takes {', '.join(PP.SCHEDULES)}, not {cfg.schedule!r}")
-    if cfg.schedule == "zb" and cfg.recompute == "full":
-        M.die(PP.ZB_FULL)
+    if cfg.schedule == "zbv":  # the mesh's Stage holds chunks r, r+p, ..., not the V
+        M.die("--schedule=zbv: not on the mesh yet (pipeline_parallel.py runs it)")
     if cfg.layout not in CP.LAYOUTS:
         M.die(f"--layout takes {' or '.join(CP.LAYOUTS)}, not {cfg.layout!r}")
     if cfg.zero_stage not in (1, 2, 3):

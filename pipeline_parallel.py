@@ -7,6 +7,7 @@ micro-batches that flow through the chunks like cars down an assembly line.
     torchrun --nproc_per_node=4 pipeline_parallel.py --n_micro=8 --schedule=1f1b --timeline=True
     torchrun --nproc_per_node=4 pipeline_parallel.py --n_micro=8 --schedule=interleaved --virtual_stages=2
     torchrun --nproc_per_node=2 pipeline_parallel.py --schedule=zb
+    torchrun --nproc_per_node=4 pipeline_parallel.py --n_micro=8 --schedule=zbv --timeline=True
 
 The schedules (p ranks; the bubble is the idle share of the step, at unit costs):
   gpipe        all m forwards, then all m backwards (Huang et al. 2019): holds m micro-batches.
@@ -18,13 +19,20 @@ The schedules (p ranks; the bubble is the idle share of the step, at unit costs)
   zb           ZB-H1 (Qi et al. 2023, "Zero Bubble Pipeline Parallelism"): each backward split in
                B (the input's gradient, which the previous rank waits for) and W (the weights',
                which nobody waits for), W deferred into the cool-down's bubble: with F = B = W
-               and m >= p, (p-1)/(3m+p-1), and 1F1B's memory.
+               and m >= p, (p-1)/(3m+p-1), and 1F1B's memory. B leaves each linear's input
+               and output gradient in a store, from which W computes the weights' gradients:
+               B + W is one backward's work (the W store, below).
+  zbv          ZB-V (the same paper): two chunks a rank in a V, r on the way down and 2p-1-r
+               on the way back, so rank 0 holds both ends; at F = B = W of a chunk, bubble
+               (p-1)/(6m+p-1) once m >= (3p-1)/2 (half ZB-H1's idle time), and at most p
+               stages' activations on every rank, 1F1B's first stage's.
 
 What it sends: only point to point, to the rank that holds the next (previous) chunk: each
 micro-batch's activation, b·s·h float32 numbers (b = batch_size/m), forward across every
 chunk boundary, and its gradient back; float32 under bf16 too, since the boundary cuts the
 residual stream, which autocast keeps in float32. After the pipeline drains: the first and
-the last rank swap their copies' gradients of the tied embedding/head (V·h each way), and
+the last rank swap their copies' gradients of the tied embedding/head (V·h each way; ZB-V:
+rank 0 holds both ends, one matrix, and nothing is sent), and
 one float (the squared gradient norm) is summed over the ranks. traffic_per_rank() counts it.
 
 Each schedule is a list of actions per rank (schedule(), plan()), run one by one by the
@@ -34,7 +42,7 @@ paper timeline and the measured one.
 import time
 from collections import namedtuple
 from contextlib import nullcontext
-from functools import partial
+from functools import lru_cache, partial
 
 import torch
 import torch.nn as nn
@@ -43,12 +51,7 @@ import collectives as C
 import model as M
 
 DEFAULTS = dict(M.TRAIN_DEFAULTS, schedule="1f1b", n_micro=4, virtual_stages=2, timeline=False)
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
-# zb's B (autograd.grad) and W (autograd.backward) are two graph tasks, and torch's non-reentrant
-# checkpoint reruns a block's forward once per graph task that reads it: two reruns, not one
-ZB_FULL = ("--schedule=zb with --recompute=full: B and W are two backward passes and each would rerun "
-           "every block's forward (two reruns per micro-batch, not one): use --recompute=gelu or none, "
-           "or another schedule")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb", "zbv")
 BOUNDARY_DTYPE = torch.float32  # the residual stream: float32 under bf16 autocast, as in the one-process run
 
 # -----------------------------------------------------------------------------
@@ -77,6 +80,8 @@ def steps(name, p, m, r, v=1):
         return [[F(r, k)] for k in range(m)] + [[B(r, k)] for k in range(m)]
     if name == "interleaved":
         return interleaved(p, m, r, v)
+    if name == "zbv":
+        return zbv(p, m, r)
     # 1F1B: the gradient of micro-batch 0 reaches rank r only after it has passed the p-1-r
     # ranks behind it and come back: time for p-1-r forwards (the warm-up)
     warmup = min(p - 1 - r, m)
@@ -95,6 +100,55 @@ def steps(name, p, m, r, v=1):
     for k in range(m - warmup, m):
         order += [B(r, k)] + ([W(r, k - r)] if k >= r else [])
     return [[a] for a in order + [W(r, k) for k in range(max(m - r, 0), m)]]
+
+
+def zbv(p, m, r):
+    """ZB-V (Qi et al. 2023, section 6; as torch.distributed.pipelining's ScheduleZBVZeroBubble
+    orders it), as steps of one compute. Rank r holds chunk r on the way down ("0") and chunk
+    2p-1-r on the way back up ("1"). Micro-batch 0 reaches chunk 2p-1-r after 2(p-r)-1 forwards
+    of chunk 0 on this rank: that many F0 first, then r pairs F1 F0 while the ranks below fill,
+    then p-r times F1 B1 W1 (the last rank's chunk p is right behind its chunk p-1, so its
+    backward starts at once), then the steady state F0 B0 W0 F1 B1 W1, in which each W runs
+    right after its B. The cool-down's B's go first (the previous rank waits for them) and
+    the W's fill the wait. The order is written for m >= 2p-1 micro-batches; with fewer, the
+    actions of the missing ones are dropped from it, as torch does."""
+    Fd, Bd, Wd = (partial(Compute, kind, r) for kind in "FBW")  # chunk r, down
+    Fu, Bu, Wu = (partial(Compute, kind, 2 * p - 1 - r) for kind in "FBW")  # chunk 2p-1-r, up
+    n = max(m, 2 * p - 1)
+    order = [Fd(k) for k in range(2 * (p - r) - 1)]
+    f0, f1, b0, b1 = len(order), 0, 0, 0  # the next F (B) of each chunk
+    for _ in range(r):
+        order += [Fu(f1), Fd(f0)]
+        f0, f1 = f0 + 1, f1 + 1
+    for _ in range(p - r):
+        order += [Fu(f1), Bu(b1), Wu(b1)]
+        f1, b1 = f1 + 1, b1 + 1
+    while f1 < n:  # the steady state
+        if f0 < n:
+            order.append(Fd(f0))
+            f0 += 1
+        order += [Bd(b0), Wd(b0), Fu(f1), Bu(b1), Wu(b1)]
+        f1, b0, b1 = f1 + 1, b0 + 1, b1 + 1
+    w0, w1 = b0, b1
+    for _ in range(r):
+        order += [Bd(b0), Bu(b1)]
+        b0, b1 = b0 + 1, b1 + 1
+    for _ in range(p - r):
+        order += [Bd(b0), Wd(w0)]
+        b0, w0 = b0 + 1, w0 + 1
+    order += [Wu(k) for k in range(w1, b1)] + [Wd(k) for k in range(w0, b0)]
+    return [[a] for a in order if a.micro < m]
+
+
+def chunks_of(name, p, r, v=1):
+    """The chunks rank r holds, of p·v: r, r+p, ... (interleaved), or ZB-V's V, r and 2p-1-r,
+    which puts the first and the last chunk, and so the tied embedding and head, on rank 0."""
+    return [r, 2 * p - 1 - r] if name == "zbv" else list(range(r, p * v, p))
+
+
+def owner(name, p, c):
+    """The rank that holds chunk c."""
+    return min(c, 2 * p - 1 - c) if name == "zbv" else c % p
 
 
 def interleaved(p, m, r, v):
@@ -129,15 +183,17 @@ def plan(name, p, m, r, v=1, train=True):
     batch_isend_irecv each), lets both pairs complete at once. simulate() checks, for every
     schedule, that every exchange completes and that messages between two ranks match in
     posting order, which is how NCCL and gloo pair them."""
-    n = p * v
+    if name == "zbv":
+        return vee_plan(p, m, r, train)
+    n, at = p * v, partial(owner, name, p)
 
     def needs(a):  # [(Message, from rank)] that compute a waits for
         c = a.chunk - 1 if a.kind == "F" else a.chunk + 1 if a.kind == "B" else -1
-        return [(Message("act" if a.kind == "F" else "grad", c, a.micro), c % p)] if 0 <= c < n and c % p != r else []
+        return [(Message("act" if a.kind == "F" else "grad", c, a.micro), at(c))] if 0 <= c < n and at(c) != r else []
 
     def makes(a):  # [(Message, to rank)] that compute a produces for another rank
         c = a.chunk + 1 if a.kind == "F" else a.chunk - 1 if a.kind == "B" else -1
-        return [(Message("act" if a.kind == "F" else "grad", a.chunk, a.micro), c % p)] if 0 <= c < n and c % p != r \
+        return [(Message("act" if a.kind == "F" else "grad", a.chunk, a.micro), at(c))] if 0 <= c < n and at(c) != r \
             else []
     actions, pending, weights = [], [], []
     for step in steps(name, p, m, r, v):
@@ -153,6 +209,64 @@ def plan(name, p, m, r, v=1, train=True):
         weights, pending = [], [x for a in step for x in makes(a)]
     return actions + ([Exchange(tuple(pending), ())] if pending else []) + weights
 
+
+def vee_plan(p, m, r, train=True):
+    """plan() for ZB-V. In the V two streams share each pair of neighbours in each direction:
+    rank r sends r+1 the activations going down and the gradients coming back up, and it
+    makes the activation of micro-batch 2p-r-2 before the first gradient, while r+1 needs
+    them the other way round. Messages between two ranks match in posting order, so r+1
+    must take that activation early, in the order r sent it, and hold it in the mailbox.
+    When: run every rank's computes on paper at unit costs, each message available from the
+    end of the compute that made it, and post each receive in the exchange before the first
+    compute of the receiver that starts after the message was made (the sender is posting
+    its send then): a receiver takes the messages of one sender in the order they were made.
+    Each compute's message leaves in the exchange right after it. simulate() checks the
+    result at the same strict semantics as the other plans, which hold whatever the costs."""
+    orders, start, made = vee_times(p, m, train)
+    mine = sorted((t, msg, src) for msg, (t, src) in made.items() if owner("zbv", p, msg.chunk + (
+        1 if msg.kind == "act" else -1)) == r and src != r)
+    actions, pending = [], []
+    for a, t in zip(orders[r], start[r]):
+        recvs = tuple((msg, src) for made_at, msg, src in mine if made_at <= t)
+        mine = mine[len(recvs):]
+        if pending or recvs:
+            actions.append(Exchange(tuple(pending), recvs))
+        actions.append(a)
+        pending = vee_message(p, a, needs=False)
+    return actions + ([Exchange(tuple(pending), ())] if pending else [])
+
+
+@lru_cache
+def vee_times(p, m, train):
+    """Every rank's ZB-V computes on paper at unit costs, a message available from the end of
+    the compute that made it. -> (the computes, each one's start, {Message: (made at, by)})."""
+    orders = [[a for a in schedule("zbv", p, m, s) if train or a.kind == "F"] for s in range(p)]
+    made, start = {}, [[] for _ in range(p)]  # Message -> (the time it is made, its sender); each compute's start
+    pos, clock = [0] * p, [0] * p
+    while any(i < len(o) for i, o in zip(pos, orders)):
+        for s in range(p):
+            while pos[s] < len(orders[s]):
+                a = orders[s][pos[s]]
+                need = [made.get(msg, (None,))[0] for msg, _ in vee_message(p, a, needs=True)]
+                if None in need:
+                    break
+                start[s].append(max([clock[s]] + need))
+                clock[s] = start[s][-1] + 1
+                for msg, _ in vee_message(p, a, needs=False):
+                    made[msg] = (clock[s], s)
+                pos[s] += 1
+    return orders, start, made
+
+
+def vee_message(p, a, needs):
+    """[(Message, rank)] that compute a of ZB-V waits for (needs) or makes for another rank."""
+    step = (-1 if a.kind == "F" else 1) * (1 if needs else -1)
+    c = a.chunk + step if a.kind != "W" else -1
+    if not 0 <= c < 2 * p or owner("zbv", p, c) == owner("zbv", p, a.chunk):
+        return []
+    msg = Message("act" if a.kind == "F" else "grad", c if needs else a.chunk, a.micro)
+    return [(msg, owner("zbv", p, c))]
+
 # -----------------------------------------------------------------------------
 # the model, cut by depth
 
@@ -166,17 +280,19 @@ def stage_layers(n_layer, n_chunks, chunk):
 
 
 class Stage(nn.Module):
-    """One rank's chunks of the GPT (r, r+p, ... of p·v), under the GPT's own
+    """One rank's chunks of the GPT (r, r+p, ... of p·v; ZB-V: r and 2p-1-r), under the GPT's own
     parameter names, so that its state_dict is a piece of GPT(config).state_dict() and the
     pieces of all ranks make the whole, whatever p and v. Every unit is built from the same
-    seed as model.py builds it. The first rank holds the embedding, the last the head."""
+    seed as model.py builds it. The rank with the first chunk holds the embedding, the one
+    with the last chunk the head (ZB-V: both on rank 0)."""
 
-    def __init__(self, config, stage, n_stages, seed, n_virtual=1):
+    def __init__(self, config, stage, n_stages, seed, n_virtual=1, schedule=None):
         super().__init__()
-        self.config, self.first, self.last = config, stage == 0, stage == n_stages - 1
         self.n_chunks = n_stages * n_virtual
         self.recompute = "none"  # --recompute: what each block keeps for backward (model.recompute_block)
-        self.chunks = {c: stage_layers(config.n_layer, self.n_chunks, c) for c in range(stage, self.n_chunks, n_stages)}
+        self.chunks = {c: stage_layers(config.n_layer, self.n_chunks, c)
+                       for c in chunks_of(schedule, n_stages, stage, n_virtual)}
+        self.config, self.first, self.last = config, 0 in self.chunks, self.n_chunks - 1 in self.chunks
         self.transformer = nn.ModuleDict(dict(h=nn.ModuleDict({str(i): M.build_unit(config, i, seed)
                                                                for c in self.chunks for i in self.chunks[c]})))
         if self.first:
@@ -222,6 +338,68 @@ def checkpoint_entries(stage, write=True):
     return entries
 
 # -----------------------------------------------------------------------------
+# the W store: B computes the input's gradient only, W the weights' later
+#
+# A block's backward is mostly matmuls, two per linear layer y = x Wᵀ + b: the input's
+# gradient dx = dY W, which the previous chunk waits for, and the weight's dW = dYᵀ x, which
+# nobody waits for. When a schedule splits them (zb, zbv), each linear of the stage's blocks
+# computes through DeferredLinear: its backward (B) returns dx and the bias's gradient and
+# leaves (W, x, dY) in the micro-batch's store; W multiplies them out. B + W is then one
+# backward's work, walked once: a rerun of --recompute=full serves both. The store holds,
+# between B and W, each linear's input and its output's gradient: 7h + 9h numbers a token a
+# layer (c_attn h and 3h, attention's c_proj h and h, c_fc h and 4h, the MLP's c_proj 4h and h),
+# counted in act_bytes (w_store_bytes). The norms, biases, embedding and head keep their
+# gradients in B.
+
+
+class DeferredLinear(torch.autograd.Function):
+    """y = x Wᵀ + b, whose backward computes x's gradient and b's, and appends (param, x, dY)
+    to `store` for W, instead of computing W's: Megatron's weight-gradient store, and the
+    zero-bubble paper's implementation, do the same. x and weight come in autocast's dtype
+    (deferred_linear casts them), param is the weight's float32 parameter that W adds to."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, param, store):
+        ctx.save_for_backward(x, weight)
+        ctx.param, ctx.store = param, store
+        return nn.functional.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        ctx.store.append((ctx.param, x, dy))
+        db = dy.flatten(0, -2).sum(0) if ctx.needs_input_grad[2] else None
+        return dy @ weight, None, db, None, None
+
+
+def deferred_linear(executor, x, weight, bias=None):
+    """F.linear(x, weight, bias) through DeferredLinear, into the store of the micro-batch the
+    executor runs. Under autocast, its inputs cast first as autocast casts F.linear's (the
+    cast's backward brings the bias's gradient back to float32, as in the one-process run)."""
+    if executor.store is None:  # a forward without W (evaluation; a plan that does not split)
+        return nn.functional.linear(x, weight, bias)
+    w, b = weight, bias
+    if torch.is_autocast_enabled(x.device.type):
+        dtype = torch.get_autocast_dtype(x.device.type)
+        x, w, b = x.to(dtype), w.to(dtype), None if b is None else b.to(dtype)
+    return DeferredLinear.apply(x, w, b, weight, executor.store)
+
+
+@torch.no_grad()  # x is a tensor of the forward's graph: no graph for its product
+def weight_grads(store):
+    """W: dW = dYᵀ x for each linear of a micro-batch, summed over its tokens, accumulated
+    into .grad as autograd accumulates (param.backward(dW): a leaf, so nothing is walked),
+    which also runs the gradient hooks a caller may have set (data parallel buckets)."""
+    for param, x, dy in store:
+        param.backward((dy.flatten(0, -2).t() @ x.flatten(0, -2)).to(param.dtype))  # (out, in)
+
+
+def store_bytes(store):
+    """The bytes a W store holds: its tensors' storages, each once."""
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for _, x, dy in store
+                for t in (x, dy)}.values())
+
+# -----------------------------------------------------------------------------
 # the executor: one rank's plan, action by action
 
 
@@ -242,14 +420,19 @@ class Executor:
         self.params = list(stage.parameters())
         self.device = self.params[0].device
         self.count_saved = model is None  # compiled graphs don't take saved-tensor hooks
+        self.store = None  # the W store of the micro-batch computing now (zb, zbv)
+        self.deferring = False  # the blocks' linears go through deferred_linear
 
     def run(self, actions, batch, train=True, stamps=None):
         """Execute a plan. batch(m) -> (inputs, targets) of micro-batch m. stamps: a list
         that gets (M.now(), M.now()) around each compute (CUDA events on a GPU: the CPU
         does not wait). -> the micro-batches' losses on the last stage, [] elsewhere."""
-        self.mail, self.held, self.losses = {}, {}, []  # held: (chunk, m) -> (input, output, bytes, grad)
+        self.mail, self.held, self.losses = {}, {}, []  # held: (chunk, m) -> (input, output, bytes, W store)
         self.peak_held = self.peak_bytes = 0
         self.split = any(isinstance(a, Compute) and a.kind == "W" for a in actions)  # B leaves the weights' to W
+        if self.split and not self.deferring:  # from now on (evaluation too: the same forward)
+            self.defer_weight_grads()
+            self.deferring = True
         for a in actions:
             if isinstance(a, Exchange):
                 with M.span(exchange_name(a), comm=True):
@@ -262,6 +445,13 @@ class Executor:
             if stamps is not None:
                 stamps.append((start, M.now(self.device)))
         return self.losses
+
+    def defer_weight_grads(self):
+        """Route each linear layer of the stage's blocks through deferred_linear (zb, zbv). A
+        stage whose blocks hold other linear layers (tensor parallel's) overrides this."""
+        for linear in self.stage.transformer["h"].modules():
+            if isinstance(linear, nn.Linear):
+                linear.forward = lambda x, linear=linear: deferred_linear(self, x, linear.weight, linear.bias)
 
     def exchange(self, a):
         """send_forward (an activation to the next chunk's rank), send_backward (a gradient
@@ -284,6 +474,7 @@ class Executor:
         x, y = batch(k) if c == 0 or last else (None, None)  # the middle needs no tokens
         inp = x if c == 0 else self.mail.pop(Message("act", c - 1, k)).requires_grad_(train)
         counting, saved = M.saved_bytes(self.params, on=train and self.count_saved)
+        self.store = [] if train and self.split else None
         with self.autocast, counting:
             out = self.model(inp, y, chunk=c)
         if last:
@@ -292,35 +483,29 @@ class Executor:
         else:
             self.mail[Message("act", c, k)] = out.detach().to(BOUNDARY_DTYPE)  # a no-op: the stream is float32
         if train:
-            self.held[c, k] = (inp, out, sum(saved.values()))
-            self.peak_held = max(self.peak_held, len(self.held))
-            self.peak_bytes = max(self.peak_bytes, sum(h[2] for h in self.held.values()))
+            self.held[c, k] = (inp, out, sum(saved.values()), self.store)
+            self.count_held()
+
+    def count_held(self):
+        self.peak_held = max(self.peak_held, len(self.held))
+        self.peak_bytes = max(self.peak_bytes, sum(h[2] for h in self.held.values()))
 
     def backward(self, a, batch=None, train=True):
+        """The whole backward, or with W split off (zb, zbv) B: the same walk, but the blocks'
+        linears leave their weights' gradients in the micro-batch's store."""
         c, k = a.chunk, a.micro
-        inp, out, _ = self.held[c, k]
+        inp, out, _, store = self.held.pop((c, k))
         grad = None if c == self.stage.n_chunks - 1 else self.mail.pop(Message("grad", c + 1, k))
-        if not self.split:  # the whole backward: the input's gradient and the weights'
-            del self.held[c, k]
-            out.backward(grad)
-            if c > 0:
-                self.mail[Message("grad", c, k)] = inp.grad
-            return
-        # B: the input's gradient only, which the previous rank is waiting for. The graph is
-        # kept (retain_graph) for W, and so are the activations it saved: held until W
+        self.store = store  # --recompute=full reruns the forward here: into the same store
+        out.backward(grad)
         if c > 0:
-            self.mail[Message("grad", c, k)] = torch.autograd.grad(out, inp, grad, retain_graph=True)[0]
-        self.held[c, k] += (grad,)
+            self.mail[Message("grad", c, k)] = inp.grad
+        if self.split:  # autograd has freed the graph; the store is held until W
+            self.held[c, k] = (None, None, store_bytes(store) if self.count_saved else 0, store)
+            self.count_held()
 
     def weight_grad(self, a, batch=None, train=True):
-        # W: the weights' gradients, from the same graph and the same incoming gradient,
-        # accumulated into .grad. Exact, but autograd walks the chain of activation
-        # gradients again to reach the weights (stopping a backward at the weights' edges
-        # takes graph surgery: torch.distributed.pipelining's stage_backward_weight), so
-        # here W costs about what B does: the order and the memory are ZB-H1's, the saving
-        # of B's work is not
-        inp, out, _, grad = self.held.pop((a.chunk, a.micro))
-        torch.autograd.backward(out, grad, inputs=[p for p in self.params if p.requires_grad])
+        weight_grads(self.held.pop((a.chunk, a.micro))[3])
 
 COMPUTE_NAMES = {"F": "forward", "B": "backward", "W": "weight_grad"}
 
@@ -348,8 +533,8 @@ def sum_tied_grads(stage, group=None):
     so a pipeline of 3+ stages hung in the creation. The swap needs no group but the
     pipeline's own, and sends the same bytes (an all_reduce of S at N=2 sends S per rank)."""
     ranks = C.group_ranks(group)
-    if len(ranks) == 1 or stage.tied() is None:
-        return  # one stage: one matrix, whose two uses autograd already summed
+    if stage.tied() is None or (stage.first and stage.last):
+        return  # one stage, or ZB-V's rank 0: one matrix, whose two uses autograd already summed
     mine = stage.tied().grad
     theirs = torch.empty_like(mine)
     other_end = ranks[-1] if stage.first else ranks[0]
@@ -388,23 +573,27 @@ def check_schedule(cfg):
         M.die(f"--batch_size={cfg.batch_size} does not divide into --n_micro={cfg.n_micro} micro-batches")
     if cfg.schedule == "interleaved" and cfg.virtual_stages < 1:
         M.die(f"--virtual_stages must be at least 1, not {cfg.virtual_stages}")
-    if cfg.schedule == "zb" and getattr(cfg, "recompute", "none") == "full":
-        M.die(ZB_FULL)
     return virtual_stages(cfg)
 
 
 def virtual_stages(cfg):
-    """v, the chunks a stage holds: --virtual_stages under interleaved, else 1."""
-    return cfg.virtual_stages if getattr(cfg, "schedule", None) == "interleaved" else 1
+    """v, the chunks a stage holds: --virtual_stages under interleaved, 2 under zbv, else 1."""
+    name = getattr(cfg, "schedule", None)
+    return cfg.virtual_stages if name == "interleaved" else 2 if name == "zbv" else 1
 
 
 def bubble(name, p, m, v=1):
     """The idle share of the step at unit costs (F = 1, B = 2 unsplit; F = B = W = 1 split).
     Interleaved: each of the v·m forwards of a rank is 1/v of a stage's, the fill still p-1
     of them. ZB-H1 with m < p never reaches its steady state: the first W's have nothing to
-    fill, and p-m more units pass before the last gradient is back."""
+    fill, and p-m more units pass before the last gradient is back. ZB-V, in units of a chunk
+    (half a stage: 6m of work a rank): p-1 idle, half of ZB-H1's in time, once m >= (3p-1)/2;
+    with fewer micro-batches 3p-1-2m more."""
     if name == "interleaved":
         return (p - 1) / (v * m + p - 1)
+    if name == "zbv":
+        idle = p - 1 + max(3 * p - 1 - 2 * m, 0)
+        return idle / (6 * m + idle)
     if name != "zb":
         return (p - 1) / (m + p - 1)
     idle = p - 1 + max(p - m, 0)
@@ -417,7 +606,8 @@ def main(argv=None):
     run = M.start(cfg, "pipeline")
     rank, device, config = run.rank, run.device, run.config
     group = None  # the whole world is one pipeline; parallel_nd.py runs these pieces on a sub-group
-    n_stages, me, last_rank = C.get_world_size(group), C.get_rank(group), C.group_ranks(group)[-1]
+    n_stages, me = C.get_world_size(group), C.get_rank(group)
+    last_rank = C.group_ranks(group)[owner(cfg.schedule, n_stages, n_stages * v - 1)]  # the loss's: ZB-V's rank 0
     if n_stages * v > config.n_layer:
         what = f"{n_stages} stages x {v} chunks" if v > 1 else f"{n_stages} stages"
         M.die(f"{what} but the model has {config.n_layer} blocks: each {'chunk' if v > 1 else 'stage'} needs at least one")
@@ -426,7 +616,7 @@ def main(argv=None):
     n_micro = cfg.n_micro
     run.layout = dict(stages=n_stages, schedule=cfg.schedule) | (dict(virtual_stages=v) if v > 1 else {})
 
-    stage = Stage(config, me, n_stages, cfg.seed, v).to(device)
+    stage = Stage(config, me, n_stages, cfg.seed, v, cfg.schedule).to(device)
     stage.recompute = cfg.recompute
     params = list(stage.parameters())  # a tensor used twice (one stage: the tie) is listed once
     optimizer = M.make_optimizer(stage.named_parameters(), cfg, device)
@@ -552,8 +742,9 @@ def max_held(actions):
 
 
 def draw(timelines, width):
-    """One text line per rank, `width` columns over the span: F, B or W where one runs,
-    '.' where the rank waits."""
+    """One text line per rank, `width` columns over the span: F, B or W where one runs
+    (f, b, w: a chunk of the rank's but its first, as ZB-V's way back up), '.' where the
+    rank waits."""
     t0 = min(t[0][1] for t in timelines)
     dt = (max(t[-1][2] for t in timelines) - t0) / width
     lines = []
@@ -561,7 +752,7 @@ def draw(timelines, width):
         row = ["."] * width
         for a, start, end in t:
             for c in range(round((start - t0) / dt), round((end - t0) / dt)):
-                row[min(c, width - 1)] = a.kind
+                row[min(c, width - 1)] = a.kind if a.chunk < len(timelines) else a.kind.lower()
         lines.append(f"  stage {r}: {''.join(row)}  idle {idle:.0%}")
     return "\n".join(lines)
 
@@ -629,18 +820,45 @@ def gather_timelines(times, name, n_micro, v, device, group=None):
 
 
 def activation_per_rank(config, cfg, world):
-    """The bytes autograd keeps for backward on each stage at its peak (the log's act_bytes),
-    one pipeline of `world` stages without virtual stages: the micro-batches it holds at most
-    (GPipe m, 1F1B min(p - r, m), ZB-H1 min(p, m): max_held) x one micro-batch's bytes for
-    its blocks (model.activation_bytes), the embedding on the first stage, the head on the last."""
+    """The bytes held for backward on each stage at its peak (the log's act_bytes), one
+    pipeline of `world` stages: along the rank's actions (held_bytes), each (chunk,
+    micro-batch) from its forward to its backward holds what autograd keeps for the chunk's
+    blocks (model.activation_bytes), and for the embedding (chunk 0) and the head (the last
+    chunk); with W split off, from B to W the store's w_store_bytes. So GPipe holds m
+    micro-batches, 1F1B min(p - r, m), ZB-H1 min(p, m) (max_held), ZB-V 2p chunks of half a
+    stage: p stages' worth, at most, 1F1B's first stage's on every rank."""
     d = 2 if cfg.dtype == "bfloat16" else 4
-    n, out = cfg.batch_size // cfg.n_micro * config.block_size, []
-    for r in range(world):
-        layers = len(stage_layers(config.n_layer, world, r))
-        micro = (M.activation_bytes(config, n, getattr(cfg, "recompute", "none"), dtype_bytes=d, layers=layers)
-                 + M.ends_bytes(config, n, config.block_size, embed=r == 0, head=r == world - 1, dtype_bytes=d))
-        out.append(max_held(schedule(cfg.schedule, world, cfg.n_micro, r)) * micro)
-    return out
+    n, v = cfg.batch_size // cfg.n_micro * config.block_size, virtual_stages(cfg)
+    layers = lambda c: len(stage_layers(config.n_layer, world * v, c))  # noqa: E731
+
+    def forward(c):
+        return (M.activation_bytes(config, n, getattr(cfg, "recompute", "none"), dtype_bytes=d, layers=layers(c))
+                + M.ends_bytes(config, n, config.block_size, embed=c == 0, head=c == world * v - 1, dtype_bytes=d))
+    return [held_bytes(schedule(cfg.schedule, world, cfg.n_micro, r, v), forward,
+                       lambda c: w_store_bytes(config, n, layers(c), d)) for r in range(world)]
+
+
+def w_store_bytes(config, tokens, layers, dtype_bytes=4, tp=1):
+    """What a micro-batch's W store holds between B and W: each linear's input and its
+    output's gradient, 7h + 9h numbers a token a layer, in the autocast dtype."""
+    return layers * tokens * 16 * config.n_embd * dtype_bytes // tp
+
+
+def held_bytes(actions, forward, store):
+    """The most bytes a rank holds at once along its compute actions: forward(chunk) from a
+    forward to its backward (B), then store(chunk) to W when W is split off."""
+    split = any(a.kind == "W" for a in actions)
+    held, peak = {}, 0
+    for a in actions:
+        key = a.chunk, a.micro
+        if a.kind == "F":
+            held[key] = forward(a.chunk)
+        elif a.kind == "B" and split:
+            held[key] = store(a.chunk)
+        else:
+            del held[key]
+        peak = max(peak, sum(held.values()))
+    return peak
 
 
 def traffic_per_rank(config, cfg, world):
@@ -661,8 +879,10 @@ def traffic_per_rank(config, cfg, world):
     So a step sends the same bytes under both."""
     if world == 1:
         return 0
-    act = 2 * (world * virtual_stages(cfg) - 1) * cfg.batch_size * config.block_size * config.n_embd * BOUNDARY_DTYPE.itemsize
-    tie = 2 * config.vocab_size * config.n_embd * 4
+    vee = cfg.schedule == "zbv"  # its chunks p-1 and p share a rank, and so do both ends of the tie
+    crossings = world * virtual_stages(cfg) - 1 - vee
+    act = 2 * crossings * cfg.batch_size * config.block_size * config.n_embd * BOUNDARY_DTYPE.itemsize
+    tie = 0 if vee else 2 * config.vocab_size * config.n_embd * 4
     norm = 2 * (world - 1) * 4 if cfg.grad_clip else 0
     return (act + tie + norm) / world
 

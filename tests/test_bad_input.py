@@ -107,14 +107,6 @@ def test_bad_flags_refused_before_step_0(flag, must_say, good_data, capsys):
         assert code == 2 and len(lines) == 1 and must_say in lines[0], (s, lines)
 
 
-def test_zero_bubble_with_full_recompute_refused(good_data, capsys):
-    """zb's B and W would each rerun every block's forward (two graph tasks, and torch's
-    checkpoint reruns once per task): refused before any group, so on every rank alike."""
-    for s in ("pipeline_parallel", "parallel_nd"):
-        code, lines = refused(s, BASE + [f"--data_dir={good_data}", "--schedule=zb", "--recompute=full"], capsys)
-        assert code == 2 and len(lines) == 1 and "--schedule=zb with --recompute=full" in lines[0], (s, lines)
-
-
 def test_command_line_shows_no_traceback(good_data, tmp_path):
     folder = str(tmp_path / "data")
     shutil.copytree(good_data, folder)

@@ -139,9 +139,10 @@ def test_compile_blocks_before_torch_2_5(monkeypatch, flag):
 
 
 def test_checkpoint_reruns_once_per_backward_pass():
-    """Why pipeline_parallel.py refuses --schedule=zb with --recompute=full: B's input
-    gradient (autograd.grad) and W's weight gradient (autograd.backward) are two graph tasks,
-    and the non-reentrant checkpoint reruns the forward in each: 1 forward + 2 reruns."""
+    """Why zb's W is not a second backward pass: had B been autograd.grad for the input and W
+    autograd.backward for the weights (two graph tasks), the non-reentrant checkpoint would
+    rerun the forward in each: 1 forward + 2 reruns. pipeline_parallel.py's B is one backward
+    that leaves each linear's dW to its W store (test_zb_with_full_recompute)."""
     calls = []
     block = torch.nn.Linear(4, 4)
 

@@ -369,3 +369,26 @@ def test_mesh_and_formulas_on_paper():
             n * expert_parallel.exchange_bytes(moe, cfg, n) + 2 * (n - 1) * 4)
         assert P.expert_params(moe, n, 1, 0) * n == moe.n_layer * M.mlp_params(moe, 4) - moe.n_layer * 4 * moe.n_embd
     assert P.axis_bytes(config, SimpleNamespace(**base), P.Mesh(1, 1, 1, 1, 1)).keys() == set(P.AXES)  # dense: 5
+
+
+def _zb_and_1f1b(rank, world, train_args):
+    """--schedule=zb and 1f1b on pp 2 x tp 2 and pp 2 x cp 2, 2 steps: {(axis, schedule): [(loss, comm_bytes)]}."""
+    out = {}
+    for axis in ("--tp=2", "--cp=2"):
+        for schedule in ("1f1b", "zb"):
+            with contextlib.redirect_stdout(io.StringIO()):
+                records = P.main(train_args + ["--pp=2", axis, "--dp=1", f"--schedule={schedule}", "--n_micro=4",
+                                               "--max_iters=2", "--eval_interval=0"])
+            out[axis, schedule] = [(r["loss"], r["comm_bytes"]) for r in records]
+    return out
+
+
+def test_zb_with_tp_and_cp(train_args):
+    """ZB-H1 on the mesh with tensor and context parallelism: B walks the backward once (tp's
+    linears leave their weights' gradients in the W store, pipeline_parallel.deferred_linear),
+    so tp's all-reduces and cp's ring send 1F1B's bytes on every rank, and the losses are 1F1B's."""
+    got = spawn(_zb_and_1f1b, 4, train_args, timeout=600)[0]
+    for axis in ("--tp=2", "--cp=2"):
+        zb, ref = got[axis, "zb"], got[axis, "1f1b"]
+        assert [b for _, b in zb] == [b for _, b in ref], axis
+        assert all(abs(a - b) <= 1e-6 for (a, _), (b, _) in zip(zb, ref)), (axis, zb, ref)

@@ -1,15 +1,18 @@
 """pipeline_parallel.py: the schedules on paper, then real runs against the one-process reference.
 
 On paper (no model): for p = 1..8 and many m, every rank's action list is complete, each
-compute is fed by the exchange before it and its output leaves in an exchange after it, to
-the right neighbour; the simulated run ends without deadlock, and its bubble is each
-schedule's formula exactly; 1F1B holds at most p-r micro-batches, ZB-H1 min(p, m), GPipe m;
-and the executor hands every exchange to C.sendrecv with the peers' global ranks.
+compute is fed by the exchange before it (ZB-V: by one before it) and its output leaves in an
+exchange after it, to the right neighbour; the simulated run ends without deadlock, and its
+bubble is each schedule's formula exactly; 1F1B holds at most p-r micro-batches, ZB-H1
+min(p, m), ZB-V min(2p, m+1+r, 2m) half-stage chunks, GPipe m; and the executor hands every
+exchange to C.sendrecv with the peers' global ranks. In one process: ZB's B leaves the block
+linears' weight gradients to W, whose store holds the formula's bytes.
 Real runs: one spawn per world size runs the schedules at several m (1F1B with one
 micro-batch is GPipe's plan, so it runs once; the extra runs go 3 steps, one run per
 schedule and world 20) and checks loss, parameters, traffic, memory and the peak
-micro-batches held; at 2 stages also an exact resume of a ZB-H1 run and a bf16 run; at 4,
-two pipelines side by side on sub-groups of non-neighbouring global ranks.
+micro-batches held, and act_bytes against activation_per_rank; at 2 stages also an exact
+resume of a ZB-V run (whose checkpoint 1F1B loads at 3 stages), ZB-H1 with --recompute=full
+and a bf16 run; at 4, two pipelines side by side on sub-groups of non-neighbouring global ranks.
 """
 import contextlib
 import io
@@ -33,15 +36,17 @@ from conftest import BF16_ARGS, SHORT_STEPS, VOCAB
 # their m > p steady states run at 2 stages (zb 4, interleaved 4), and on paper for every p, m
 S = SHORT_STEPS
 CONFIGS_AT = {2: [("gpipe", 1, S), ("gpipe", 4, S), ("gpipe", 8, S), ("1f1b", 4, 20), ("1f1b", 8, S),
-                  ("zb", 2, S), ("zb", 4, S), ("interleaved", 2, S), ("interleaved", 4, S)],
+                  ("zb", 2, S), ("zb", 4, S), ("interleaved", 2, S), ("interleaved", 4, S), ("zbv", 4, S)],
               3: [("gpipe", 1, S), ("gpipe", 8, S), ("1f1b", 8, S)],
-              4: [("gpipe", 4, S), ("1f1b", 4, S), ("1f1b", 8, S), ("zb", 4, S), ("interleaved", 4, S)]}
+              4: [("gpipe", 4, S), ("1f1b", 4, S), ("1f1b", 8, S), ("zb", 4, S), ("interleaved", 4, S), ("zbv", 8, S)]}
 V = 2  # --virtual_stages of the interleaved runs (the default)
-TIMELINES = (("1f1b", 8), ("zb", 4), ("interleaved", 4))  # the runs that print --timeline
+TIMELINES = (("1f1b", 8), ("zb", 4), ("interleaved", 4), ("zbv", 4))  # the runs that print --timeline
 AT = 2  # the step the checkpoints below are written at: the short runs' last step is resumed
-RESUMED = ("zb", 2, S)  # at 2 stages: checkpointed at step AT and resumed
-CROSS = ("interleaved", 2, S)  # at 2 stages: its step-AT checkpoint loads into 1F1B at 3
+RESUMED = ("zbv", 4, S)  # at 2 stages: checkpointed at step AT and resumed, and (rank 0 holding both
+CROSS = RESUMED  # ends of the tie) loaded into 1F1B at 3 stages
 BATCH, BLOCK = 24, 32  # of conftest.TRAIN_ARGS
+# at 2 stages: ZB-H1 with each block rerun in backward, once, for B and W together
+FULL_RECOMPUTE = ["--schedule=zb", "--n_micro=4", "--recompute=full", f"--max_iters={S}"]
 # bf16 on a CPU is slow (no bf16 matmul units): a short run of small batches
 # measured: the pipeline drifts from the one-process bf16 run by up to 1.5e-4 in these 4
 # steps (1.8e-4 in 20 steps of the full batch); a bug (a gradient missing, a wrong
@@ -52,7 +57,11 @@ BF16_TOL = 5e-4
 def expected_held(schedule, p, m, stage, v=2):
     """(chunk, micro-batch) activations a stage holds at most: GPipe all m; 1F1B the p-1-r of
     its warm-up and one more; ZB-H1 also its r deferred W's: min(p, m) on every stage;
-    interleaved its warm-up and one more, each 1/v of a stage's (all v·m when m == p)."""
+    interleaved its warm-up and one more, each 1/v of a stage's (all v·m when m == p); ZB-V
+    2p half-stage chunks once m >= 2p-1-r (1F1B's first stage's p stages' worth), fewer
+    with fewer micro-batches: m+1+r, at most all 2m."""
+    if schedule == "zbv":
+        return min(2 * p, m + 1 + stage, 2 * m)
     if schedule == "interleaved":
         return v * m if m == p else min(v * m, 2 * (p - stage - 1) + (v - 1) * p + 1)
     return m if schedule == "gpipe" else min(p - stage, m) if schedule == "1f1b" else min(p, m)
@@ -63,7 +72,7 @@ def cases(schedule):
     the multiples of p, with v = 1..4)."""
     for p in range(1, 9):
         for m in range(1, 17):
-            for v in ((1, 2, 3, 4) if schedule == "interleaved" else (1,)):
+            for v in ((1, 2, 3, 4) if schedule == "interleaved" else (2,) if schedule == "zbv" else (1,)):
                 if schedule != "interleaved" or m % p == 0:
                     yield p, m, v
 
@@ -73,13 +82,13 @@ def cases(schedule):
 @pytest.mark.quick
 @pytest.mark.parametrize("schedule", PP.SCHEDULES)
 def test_schedules_on_paper(schedule):
-    kinds = "FBW" if schedule == "zb" else "FB"
+    kinds = "FBW" if schedule in ("zb", "zbv") else "FB"
     n_actions = 0
     for p, m, v in cases(schedule):
         where = f"{schedule}, {p} stages, {m} micro-batches, {v} chunks a stage"
         for s in range(p):
             order = PP.schedule(schedule, p, m, s, v)
-            chunks = range(s, p * v, p)
+            chunks, holder = sorted(PP.chunks_of(schedule, p, s, v)), lambda c: PP.owner(schedule, p, c)
             # complete: each F, B (and W) once per chunk and micro-batch, F(k) before B(k) before W(k)
             for kind in kinds:
                 assert sorted(a for a in order if a.kind == kind) == [PP.Compute(kind, c, k) for c in chunks
@@ -91,8 +100,8 @@ def test_schedules_on_paper(schedule):
                     assert at == sorted(at), where
             assert PP.max_held(order) == expected_held(schedule, p, m, s, v), where
             # the messages: each compute is fed by the exchange before it (only computes between
-            # them), from the rank that holds the chunk before (after) it; what it produces
-            # leaves in the next exchange that sends
+            # them; ZB-V: by one before it, plan() says why), from the rank that holds the chunk
+            # before (after) it; what it produces leaves in the next exchange that sends
             actions = PP.plan(schedule, p, m, s, v)
             n_actions += len(actions)
             assert [a for a in actions if isinstance(a, PP.Compute)] == order, where
@@ -101,21 +110,22 @@ def test_schedules_on_paper(schedule):
                 if isinstance(a, PP.Exchange):
                     assert not unsent or {x for x, _ in a.sends} == unsent or not a.sends, where
                     for msg, dst in a.sends:
-                        assert msg.chunk in chunks and dst == (msg.chunk + (1 if msg.kind == "act" else -1)) % p != s
+                        assert msg.chunk in chunks and dst == holder(msg.chunk + (1 if msg.kind == "act" else -1)) != s
                         unsent.discard(msg)
                     assert not unsent or not a.sends, where  # all of them, in the first exchange that sends
-                    received = {x for x, src in a.recvs if x.chunk % p == src != s}
-                    assert len(received) == len(a.recvs), where
+                    early = received if schedule == "zbv" else set()
+                    received = early | {x for x, src in a.recvs if holder(x.chunk) == src != s}
+                    assert len(received) == len(early) + len(a.recvs), where
                     continue
                 c = a.chunk - 1 if a.kind == "F" else a.chunk + 1
-                if a.kind != "W" and 0 <= c < p * v and c % p != s:
+                if a.kind != "W" and 0 <= c < p * v and holder(c) != s:
                     need = PP.Message("act" if a.kind == "F" else "grad", c, a.micro)
                     assert need in received, where
                     received.discard(need)
                 c = a.chunk + 1 if a.kind == "F" else a.chunk - 1
-                if a.kind != "W" and 0 <= c < p * v and c % p != s:
+                if a.kind != "W" and 0 <= c < p * v and holder(c) != s:
                     unsent.add(PP.Message("act" if a.kind == "F" else "grad", a.chunk, a.micro))
-            assert not unsent, where
+            assert not unsent and not received, where
         # all stages together: every message meets its partner in order, nobody deadlocks
         # (the evaluation's forwards too), and every stage idles exactly the formula's bubble
         timelines = PP.simulate(schedule, p, m, v)
@@ -129,6 +139,8 @@ def test_schedules_on_paper(schedule):
     # the formulas, as the papers state them (ZB-H1 for m >= p: (p-1)(F+B-W) idle per stage)
     assert PP.bubble("1f1b", 4, 8) == PP.bubble("gpipe", 4, 8) == 3 / 11 and PP.bubble("interleaved", 4, 8, 2) == 3 / 19
     assert PP.bubble("zb", 4, 8) == 3 / 27 and PP.bubble("zb", 4, 2) == 5 / 11
+    # ZB-V at unit costs of a chunk (half a stage): p-1 idle in 6m, half ZB-H1's in time
+    assert PP.bubble("zbv", 4, 8) == 3 / 51 and PP.bubble("zbv", 2, 4) == 1 / 25
 
 
 def test_exchanges_post_every_message_at_once(monkeypatch):
@@ -206,8 +218,37 @@ def test_checkpoint_entries_cover_the_model_once():
         assert loaded_only == ([] if p == 1 else [("transformer.wte.weight", (config.vocab_size, config.n_embd))])
 
 
+def test_b_leaves_the_weights_gradients_to_w(monkeypatch):
+    """ZB's B computes the input's gradient and the norms', biases' and ends' (one backward,
+    walked once), and leaves each block linear's weight gradient to W: at the first W none
+    of those has a gradient yet, and the micro-batch's store holds 4 linears a block, their
+    inputs and output gradients (16h numbers a token a layer). After W, every gradient is
+    1F1B's (the full backward's)."""
+    config = M.make_config("tiny", VOCAB, block_size=BLOCK)
+    stage, m, b = PP.Stage(config, 0, 1, 0), 2, 3
+    rows = torch.randint(0, VOCAB, (m * b, BLOCK + 1), generator=torch.Generator().manual_seed(0))
+    batch = lambda k: (rows[k * b:(k + 1) * b, :-1], rows[k * b:(k + 1) * b, 1:])  # noqa: E731
+    PP.Executor(stage, (b, BLOCK, config.n_embd), m).run(PP.plan("1f1b", 1, m, 0), batch)
+    full = {n: p.grad.clone() for n, p in stage.named_parameters()}
+    stage.zero_grad(set_to_none=True)
+    at_w, weight_grads = [], PP.weight_grads
+
+    def first_w(store):
+        at_w.append(({n for n, p in stage.named_parameters() if p.grad is None}, store_bytes(store), len(store)))
+        weight_grads(store)
+    store_bytes = PP.store_bytes
+    monkeypatch.setattr(PP, "weight_grads", first_w)
+    PP.Executor(stage, (b, BLOCK, config.n_embd), m).run(PP.plan("zb", 1, m, 0), batch)
+    deferred = {n for n, p in stage.transformer["h"].named_parameters(prefix="transformer.h") if p.dim() == 2}
+    assert len(at_w) == m and at_w[0][0] == deferred and len(deferred) == 4 * config.n_layer
+    assert at_w[0][1:] == (PP.w_store_bytes(config, b * BLOCK, config.n_layer), 4 * config.n_layer)
+    for n, p in stage.named_parameters():
+        assert torch.allclose(p.grad, full[n], rtol=1e-5, atol=1e-7), n
+
+
 def test_bad_input_in_process(train_args, capsys):
-    for flags, message in ((["--schedule=zbv"], "error: --schedule takes gpipe, 1f1b, interleaved, zb, not 'zbv'"),
+    for flags, message in ((["--schedule=dualpipev"],
+                            "error: --schedule takes gpipe, 1f1b, interleaved, zb, zbv, not 'dualpipev'"),
                            (["--n_micro=5"], "error: --batch_size=24 does not divide into --n_micro=5 micro-batches"),
                            (["--n_micro=0"], "error: --n_micro must be at least 1")):
         with pytest.raises(SystemExit) as e:
@@ -231,8 +272,6 @@ def _run_all(rank, world, train_args, out, cross=None):
                  f"--timeline={(schedule, m) in TIMELINES}"]
         if world == 2 and (schedule, m, steps) == RESUMED:  # the run that a resume must continue exactly
             flags += [f"--out_dir={out}/ckpt", f"--ckpt_interval={AT}"]
-        if world == 2 and (schedule, m, steps) == CROSS:
-            flags += [f"--out_dir={out}/ckpt_cross", f"--ckpt_interval={AT}"]
         records, printed = _quiet(PP.main, train_args + flags)
         results[(schedule, m)] = (records, path, printed)
     if world == 2:
@@ -241,6 +280,7 @@ def _run_all(rank, world, train_args, out, cross=None):
                                                            f"--resume={out}/ckpt/step_{AT:06d}"])[0]
         for m in (1, 4):
             results[("bf16", m)] = _quiet(PP.main, train_args + BF16_ARGS + [f"--n_micro={m}"])[0]
+        results["zb_full"] = _quiet(PP.main, train_args + FULL_RECOMPUTE)[0]
     if world == 3:  # 1F1B on 3 stages from the checkpoint of interleaved on 2 x 2 chunks
         path = os.path.join(out, "pp_cross.pt")
         results["cross"] = (_quiet(PP.main, train_args + ["--n_micro=4", f"--resume={cross}", f"--max_iters={CROSS[2]}",
@@ -275,12 +315,14 @@ def _sub_pipelines(train_args):
     return C.gather_stats(dict(loss=torch.stack(losses).mean() if stage.last else math.nan, norm=norm))
 
 
-def stage_params(config, p, s, v=1):
-    """Parameters stage s holds, counted from model.py's units (the tied copy included)."""
+def stage_params(config, p, s, v=1, schedule="1f1b"):
+    """Parameters stage s holds, counted from model.py's units (the tied copy included;
+    ZB-V: rank 0 holds both ends, one matrix)."""
     count = lambda unit: sum(t.numel() for t in M.build_unit(config, unit, 0).parameters())  # noqa: E731
-    n = sum(count(i) for c in range(s, p * v, p) for i in PP.stage_layers(config.n_layer, p * v, c))
-    n += count("embed") if s == 0 else 0
-    n += count("ln_f") + (config.vocab_size * config.n_embd if p > 1 else 0) if s == p - 1 else 0
+    chunks = PP.chunks_of(schedule, p, s, v)
+    n = sum(count(i) for c in chunks for i in PP.stage_layers(config.n_layer, p * v, c))
+    n += count("embed") if 0 in chunks else 0
+    n += count("ln_f") + (config.vocab_size * config.n_embd if 0 not in chunks else 0) if p * v - 1 in chunks else 0
     return n
 
 
@@ -293,7 +335,7 @@ def runs(train_args, tmp_path_factory):
 
     def at(world):
         if world not in done:
-            cross = os.path.join(folders[2], "ckpt_cross", f"step_{AT:06d}") if world == 3 and at(2) else None
+            cross = os.path.join(folders[2], "ckpt", f"step_{AT:06d}") if world == 3 and at(2) else None
             folders[world] = str(tmp_path_factory.mktemp(f"pp{world}"))
             done[world] = spawn(_run_all, world, train_args, folders[world], cross, timeout=600)[0]
         return done[world]
@@ -310,6 +352,8 @@ def check_traffic(r, config, cfg, world, where):
     v = PP.virtual_stages(cfg)
     boundary = [act * ((v - (s == world - 1)) + (v - (s == 0))) + 4 * config.vocab_size * config.n_embd *
                 (s in (0, world - 1)) for s in range(world)]
+    if cfg.schedule == "zbv":  # each rank's two chunks send both ways, but across the V's bottom; no tie
+        boundary = [act * 2 * ((s > 0) + (s < world - 1)) for s in range(world)]
     stated = PP.traffic_per_rank(config, cfg, world)  # the file's own formula
     assert sum(r["comm_bytes"]) == sum(boundary) + 2 * (world - 1) * 4 == stated * world, where
     for sent, want in zip(r["comm_bytes"], boundary):
@@ -330,7 +374,7 @@ def test_parity_traffic_memory(world, train_args, reference, reference_short, ru
     results = runs(world)
     config = M.make_config("tiny", VOCAB, block_size=BLOCK)
     for schedule, m, steps in CONFIGS_AT[world]:
-        cfg = M.parse_args(PP.DEFAULTS, train_args + [f"--schedule={schedule}"])
+        cfg = M.parse_args(PP.DEFAULTS, train_args + [f"--schedule={schedule}", f"--n_micro={m}"])
         records, path, printed = results[(schedule, m)]
         where = f"{schedule}, {m} micro-batches, {world} stages"
         assert len(records) == steps, where
@@ -344,12 +388,14 @@ def test_parity_traffic_memory(world, train_args, reference, reference_short, ru
             check_traffic(r, config, cfg, world, where)
             # memory: each stage holds only its own parameters (16 bytes each: param,
             # grad, Adam's m and v), and the micro-batches its schedule allows
-            v = V if schedule == "interleaved" else 1
-            assert r["state_bytes"] == [16 * stage_params(config, world, s, v) for s in range(world)], where
+            v = V if schedule == "interleaved" else PP.virtual_stages(cfg)
+            assert r["state_bytes"] == [16 * stage_params(config, world, s, v, schedule) for s in range(world)], where
             assert r["peak_micro"] == [expected_held(schedule, world, m, s, V) for s in range(world)], where
+            # the bytes held for backward (and between B and W, the W store's), as the formula counts them
+            assert r["act_bytes"] == PP.activation_per_rank(config, cfg, world), where
             assert len(r["idle_frac"]) == world and all(0 <= f < 1 for f in r["idle_frac"]), where
             assert r["bubble_theory"] == PP.bubble(schedule, world, m, V)
-    # activation bytes: 1F1B holds min(p-s, m) micro-batches' worth where GPipe holds m, ZB-H1 min(p, m)
+    # activation bytes: 1F1B holds min(p-s, m) micro-batches' worth where GPipe holds m, ZB-H1 at most min(p, m)
     for m in (4, 8):
         if ("gpipe", m) not in results or ("1f1b", m) not in results:
             continue
@@ -357,8 +403,8 @@ def test_parity_traffic_memory(world, train_args, reference, reference_short, ru
         for s in range(world):
             assert onefoneb[s] * m == gpipe[s] * min(world - s, m), f"stage {s}, {m} micro-batches"
             assert onefoneb[s] < gpipe[s] or world - s >= m
-            if ("zb", m) in results:
-                assert results[("zb", m)][0][-1]["act_bytes"][s] * m == gpipe[s] * min(world, m)
+            if ("zb", m) in results:  # min(p, m) micro-batches, those past B down to their W store
+                assert results[("zb", m)][0][-1]["act_bytes"][s] * m <= gpipe[s] * min(world, m)
     # the printed timeline: the schedule, on paper, and measured, one line per stage
     printed = results[("1f1b", 8)][2]
     assert PP.draw(PP.simulate("1f1b", world, 8), 3 * (8 + world - 1)) in printed
@@ -397,6 +443,16 @@ def uneven_reference(train_args, records, state, tmp_path):
         ref = ddp.main(train_args + ["--model=small", f"--max_iters={S}", f"--save_path={path}"])
     assert_logs_match(records, ref, 1e-4)
     assert_states_match(state, torch.load(path), 1e-5)
+
+
+def test_zb_with_full_recompute(runs, train_args, reference_short):
+    """--recompute=full under ZB-H1: B reruns each block's forward once and W needs no rerun
+    (it reads the store): the reference's losses, and act_bytes the formula's, in which the
+    store (16h a token a layer) outweighs what the blocks keep (h)."""
+    records = runs(2)["zb_full"]
+    assert_logs_match(records, reference_short[0], 1e-4)
+    config, cfg = M.make_config("tiny", VOCAB, block_size=BLOCK), M.parse_args(PP.DEFAULTS, train_args + FULL_RECOMPUTE)
+    assert all(r["act_bytes"] == PP.activation_per_rank(config, cfg, 2) for r in records)
 
 
 def test_resume_is_exact(runs):
