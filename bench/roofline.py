@@ -19,7 +19,8 @@ backward's share of the 6N FLOPs a token. Measured here, in one 2-rank launch:
   α, β   collectives.py's all_reduce between the 2 ranks at a few sizes, t = α + traffic/β
   found  ddp.py --mode=bucketed at each x: its all-reduce time (the log's exposed_comm_ms:
          bucketed hides nothing) against its backward (the trace's "backward" span); the
-         threshold is where the two cross, read by log-log interpolation. --mode=overlap at each
+         threshold is where the two cross (crossing(): backward fitted as a fixed cost plus a
+         cost a token, since a CPU step pays per-op overhead at small x). --mode=overlap at each
          x too, for the picture: step time split into compute and exposed communication.
 
 The GPU rows apply the same threshold to data-sheet figures (plan_3d.CLUSTERS) under the
@@ -81,15 +82,23 @@ def gpu_dp_rows(clusters):
 
 
 def crossing(xs, comm, compute):
-    """Where comm/compute crosses 1 as x grows, by log-log interpolation between the swept
-    points -> (x, how): how is "found", "below" (compute-bound at every x: x* < xs[0]) or
-    "above" (comm-bound at every x). The first crossing from comm-bound to compute-bound."""
-    r = [math.log(c / p) for c, p in zip(comm, compute)]
-    for i in range(len(xs) - 1):
-        if r[i] >= 0 > r[i + 1]:
-            t = r[i] / (r[i] - r[i + 1])
-            return math.exp(math.log(xs[i]) + t * (math.log(xs[i + 1]) - math.log(xs[i]))), "found"
-    return (xs[0], "below") if r[0] < 0 else (xs[-1], "above")
+    """Where the step turns compute-bound as x grows, read from a sweep: compute(x) fitted as
+    t0 + x/r (a fixed cost a step, per-op overhead, plus the per-token work; least squares on
+    relative error, so the small x weigh as much as the large), the communication as its median
+    (it does not depend on x), solved for t0 + x/r = comm -> (x*, how): how is "found" when
+    x* lies within a factor of 2 of the swept range, "below" (compute-bound at every x swept)
+    or "above" (communication-bound at every x swept)."""
+    x, t = np.asarray(xs, float), np.asarray(compute, float)
+    slope, t0 = np.polyfit(x, t, 1, w=1 / t)
+    level = statistics.median(comm)
+    if slope <= 0:
+        return float(xs[-1]), "above" if level > t.max() else "below"
+    found = (level - t0) / slope
+    if found < xs[0] / 2:
+        return float(xs[0]), "below"
+    if found > 2 * xs[-1]:
+        return float(xs[-1]), "above"
+    return float(found), "found"
 
 
 # ---------------------------------------------------------------------------------- measuring
@@ -265,10 +274,10 @@ def picture(path, sweep, predicted, found):
     ax.bar(range(len(xs)), exp_, bottom=comp, label="exposed communication", color="#dd8452")
     ax.plot(range(len(xs)), [1000 * s["comm_s"] for s in sweep], "k.-", label="all-reduce alone (bucketed)")
     ax.plot(range(len(xs)), [1000 * s["backward_s"] for s in sweep], "g.-", label="backward (bucketed)")
-    logx = np.log(xs)
     for x, style, name in ((predicted, "--", "predicted"), (found, ":", "found")):
         if x:
-            ax.axvline(np.interp(math.log(x), logx, range(len(xs))), color="r", ls=style, label=f"{name} x* = {x:.0f}")
+            ax.axvline(np.interp(math.log(x), np.log(xs), range(len(xs))), color="r", ls=style,
+                       label=f"{name} x* = {x:.0f}")
     ax.set_xticks(range(len(xs)), [str(x) for x in xs])
     ax.set_xlabel("tokens per rank per step")
     ax.set_ylabel("ms")
@@ -293,8 +302,8 @@ def print_gpu(rows):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="tiny")
-    p.add_argument("--block", type=int, default=32, help="tokens a sequence; the sweep varies the rows")
-    p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16], help="sequences per rank, swept")
+    p.add_argument("--block", type=int, default=16, help="tokens a sequence; the sweep varies the rows")
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32], help="sequences per rank, swept")
     p.add_argument("--vocab", type=int, default=256, help="the synthetic data's vocabulary")
     p.add_argument("--bucket_mb", type=float, default=1.0)
     p.add_argument("--iters", type=int, default=5)
