@@ -355,10 +355,19 @@ def main(argv=None):
         print(f"\n{'strategy':>8} {'quantity':>15} {'predicted':>10} {'measured':>9} {'ratio':>6}")
         print(f"{'ddp':>8} {'tokens per rank':>15} {shown(predicted, predicted_how):>10} {shown(found, how):>9} "
               f"{f'{ratio:.2f}' if ratio else '-':>6}")
+        # ZeRO-3 (fsdp.py, --prefetch=1): each of the L+1 units all-gathered twice and reduce-scattered
+        # once a step, hidden behind forward and backward both: predicted only, not swept yet
+        import fsdp
+        fs_traffic = fsdp.traffic_per_rank(config, argparse.Namespace(dtype="float32", zero_stage=3, grad_accum=1,
+                                                                      grad_clip=1.0), args.world)
+        fs_comm = 3 * (config.n_layer + 1) * alpha + fs_traffic / beta
+        fs_pred, fs_how = crossing(xs, [fs_comm] * len(xs), [fpt * x / f for x, f in rates])
+        print(f"{'fsdp':>8} {'tokens per rank':>15} {shown(fs_pred, fs_how):>10} {'not swept':>9} {'-':>6}")
         result.update(model=args.model, block=args.block, world=args.world, params=M.param_count(config),
                       flops_per_token=fpt, compute=rates, link=link, alpha_s=alpha, beta_Bps=beta, seconds=took,
                       ddp=dict(traffic=traffic, buckets=buckets, comm_s=comm, predicted=predicted,
-                               predicted_how=predicted_how, measured=found, measured_how=how, sweep=sweep))
+                               predicted_how=predicted_how, measured=found, measured_how=how, sweep=sweep),
+                      fsdp=dict(traffic=fs_traffic, comm_s=fs_comm, predicted=fs_pred, predicted_how=fs_how))
         if args.png:
             picture(args.png, sweep, predicted if predicted_how == "found" else None, found if how == "found" else None)
     print_gpu(gpu)

@@ -11,8 +11,6 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "bench")]
 import plan_3d  # noqa: E402
 import roofline as R  # noqa: E402
 
-pytestmark = pytest.mark.quick
-
 
 def test_gpu_rows_reproduce_the_scaling_books_dp_thresholds():
     rows = {(r["gpu"], r["where"]): r for r in R.gpu_dp_rows(plan_3d.CLUSTERS)}
