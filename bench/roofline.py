@@ -3,7 +3,7 @@ The roofline, measured: below how many tokens per rank does a DDP step wait for 
 Predicted from this machine's measured compute rate and link, then found by running ddp.py.
 
     python bench/roofline.py                 # ~2-4 minutes on 2 cores: measure, predict, sweep, print
-    python bench/roofline.py --json out.json --png out.png
+    python bench/roofline.py --json out.json --svg out.svg
     python bench/roofline.py --gpus_only     # the H100/H200/B200 rows alone (a calculation, instant)
 
 Overlapped DDP hides the gradient all-reduce behind backward, so a step is compute-bound
@@ -259,32 +259,39 @@ def measure(args, tmp):
 
 # ---------------------------------------------------------------------------------- reporting
 def picture(path, sweep, predicted, found):
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print(f"matplotlib is not installed: no picture ({path}); the numbers are in the table and --json")
-        return
+    """The sweep as an SVG, written by hand (no plotting dependency): at each x the overlap
+    run's step, compute below and exposed communication above; the bucketed run's all-reduce
+    and backward as lines; the predicted and found thresholds as dashed verticals."""
+    W, H, L, B = 640, 360, 60, 50  # canvas, left and bottom margins
     xs = [s["tokens"] for s in sweep]
-    comp = [1000 * (s["step_s"] - s["exposed_s"]) for s in sweep]
-    exp_ = [1000 * s["exposed_s"] for s in sweep]
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ax.bar(range(len(xs)), comp, label="compute (overlap mode)", color="#4c72b0")
-    ax.bar(range(len(xs)), exp_, bottom=comp, label="exposed communication", color="#dd8452")
-    ax.plot(range(len(xs)), [1000 * s["comm_s"] for s in sweep], "k.-", label="all-reduce alone (bucketed)")
-    ax.plot(range(len(xs)), [1000 * s["backward_s"] for s in sweep], "g.-", label="backward (bucketed)")
-    for x, style, name in ((predicted, "--", "predicted"), (found, ":", "found")):
+    top = 1000 * max(max(s["step_s"], s["comm_s"], s["backward_s"]) for s in sweep) * 1.1
+    lx = lambda x: L + (W - L - 20) * (math.log(x / xs[0]) / math.log(xs[-1] / xs[0]))  # noqa: E731
+    ly = lambda ms: H - B - (H - B - 30) * ms / top  # noqa: E731
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" font-family="sans-serif" font-size="11">',
+           f'<text x="{L}" y="16">ddp.py, 2 CPU ranks: step time against tokens per rank (ms)</text>',
+           f'<line x1="{L}" y1="{H - B}" x2="{W - 10}" y2="{H - B}" stroke="black"/>',
+           f'<line x1="{L}" y1="{H - B}" x2="{L}" y2="24" stroke="black"/>']
+    for s in sweep:
+        x, comp, exp_ = lx(s["tokens"]), 1000 * (s["step_s"] - s["exposed_s"]), 1000 * s["exposed_s"]
+        out += [f'<rect x="{x - 9:.1f}" y="{ly(comp):.1f}" width="18" height="{ly(0) - ly(comp):.1f}" fill="#4c72b0"/>',
+                f'<rect x="{x - 9:.1f}" y="{ly(comp + exp_):.1f}" width="18" height="{ly(comp) - ly(comp + exp_):.1f}" '
+                'fill="#dd8452"/>', f'<text x="{x:.1f}" y="{H - B + 15}" text-anchor="middle">{s["tokens"]}</text>']
+    for key, color in (("comm_s", "black"), ("backward_s", "green")):
+        pts = " ".join(f"{lx(s['tokens']):.1f},{ly(1000 * s[key]):.1f}" for s in sweep)
+        out.append(f'<polyline points="{pts}" fill="none" stroke="{color}" stroke-width="2"/>')
+    for x, dash, name in ((predicted, "6,3", "predicted"), (found, "2,2", "found")):
         if x:
-            ax.axvline(np.interp(math.log(x), np.log(xs), range(len(xs))), color="r", ls=style,
-                       label=f"{name} x* = {x:.0f}")
-    ax.set_xticks(range(len(xs)), [str(x) for x in xs])
-    ax.set_xlabel("tokens per rank per step")
-    ax.set_ylabel("ms")
-    ax.set_title("ddp.py, 2 CPU ranks: where the all-reduce stops hiding behind backward")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+            out += [f'<line x1="{lx(x):.1f}" y1="{H - B}" x2="{lx(x):.1f}" y2="28" stroke="red" stroke-dasharray="{dash}"/>',
+                    f'<text x="{lx(x) + 3:.1f}" y="{40 if name == "found" else 54}" fill="red">{name} {x:.0f}</text>']
+    for ms in (0, top / 2.2, top / 1.1):
+        out.append(f'<text x="{L - 5}" y="{ly(ms) + 4:.1f}" text-anchor="end">{ms:.0f}</text>')
+    legend = (("#4c72b0", "compute (overlap)"), ("#dd8452", "exposed comm (overlap)"), ("black", "all-reduce (bucketed)"),
+              ("green", "backward (bucketed)"))
+    for k, (color, text) in enumerate(legend):
+        out += [f'<rect x="{L + 150 * k}" y="{H - 18}" width="10" height="10" fill="{color}"/>',
+                f'<text x="{L + 150 * k + 14}" y="{H - 9}">{text}</text>']
+    with open(path, "w") as f:
+        f.write("\n".join(out + ["</svg>"]) + "\n")
     print(f"picture: {path}")
 
 
@@ -310,7 +317,7 @@ def main(argv=None):
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--json", default="", help="write every number here")
-    p.add_argument("--png", default="", help="draw the sweep here (needs matplotlib)")
+    p.add_argument("--svg", default="", help="draw the sweep here")
     p.add_argument("--gpus_only", action="store_true")
     args = p.parse_args(argv)
     if args.iters < 3 or min(args.rows) < 1 or args.world < 2:
@@ -368,8 +375,8 @@ def main(argv=None):
                       ddp=dict(traffic=traffic, buckets=buckets, comm_s=comm, predicted=predicted,
                                predicted_how=predicted_how, measured=found, measured_how=how, sweep=sweep),
                       fsdp=dict(traffic=fs_traffic, comm_s=fs_comm, predicted=fs_pred, predicted_how=fs_how))
-        if args.png:
-            picture(args.png, sweep, predicted if predicted_how == "found" else None, found if how == "found" else None)
+        if args.svg:
+            picture(args.svg, sweep, predicted if predicted_how == "found" else None, found if how == "found" else None)
     print_gpu(gpu)
     if args.json:
         json.dump(result, open(args.json, "w"), indent=1)
