@@ -188,15 +188,34 @@ def job_link(rank, world, sizes, reps):
     return res
 
 
-def job_ddp(rank, world, runs):
-    """ddp.main(argv) for each argv, in these ranks -> rank 0's log records of each."""
+def job_main(rank, world, script, runs):
+    """script.main(argv) for each argv, in these ranks -> rank 0's log records of each."""
+    import importlib
     import collectives as C
-    import ddp
+    main = importlib.import_module(script).main
     out = []
     for argv in runs:
         C.barrier()
-        out.append(ddp.main(argv))
+        out.append(main(argv))
     return out
+
+
+def trace_comm_compute(path):
+    """fsdp.py --prefetch=0's trace -> (communication s, compute s) a step: the communication the
+    sum of its collectives' spans on the rank that waited least (min: the others' extra wait is
+    skew), the compute the step less its waits and the optimizer on the slower rank; medians."""
+    per = {}
+    for e in json.load(open(path))["traceEvents"]:
+        if e.get("ph") == "X":
+            d = per.setdefault((e["args"]["step"], e["pid"]), dict(comm=0.0, wait=0.0, step=0.0, optimizer=0.0))
+            key = e["cat"] if e["cat"] in ("comm", "wait", "step") else e["name"]
+            if key in d:
+                d[key] += e["dur"] / 1e6
+    steps = sorted({s for s, _ in per})
+    comm = statistics.median(min(d["comm"] for (s, _), d in per.items() if s == st) for st in steps)
+    compute = statistics.median(max(d["step"] - d["wait"] - d["optimizer"] for (s, _), d in per.items() if s == st)
+                                for st in steps)
+    return comm, compute
 
 
 def trace_span(path, name, skip=0):
@@ -236,12 +255,17 @@ def measure(args, tmp):
     jobs = [("job_link", (sizes, args.reps))]
     for i, rows in enumerate(args.rows):
         jobs += [("job_compute", (args.model, args.vocab, args.block, [rows], args.reps)),
-                 ("job_ddp", (runs[2 * i:2 * i + 2],))]
+                 ("job_main", ("ddp", runs[2 * i:2 * i + 2]))]
+        if args.fsdp:  # ZeRO-3 with nothing prefetched: every gather waited for, its time in the trace
+            jobs.append(("job_main", ("fsdp", [[a for a in common if "bucket" not in a] + [
+                f"--batch_size={rows * args.world}", "--prefetch=0", f"--trace={tmp}/f{rows}.json",
+                f"--trace_steps=1-{args.iters - 1}"]])))
     t0 = time.time()
     link, *rest = launch(jobs, args.world)
     took = time.time() - t0
-    compute = [c for c in rest[0::2] for c in c]
-    logs = [log for pair in rest[1::2] for log in pair]
+    k = 3 if args.fsdp else 2
+    compute = [c for c in rest[0::k] for c in c]
+    logs = [log for pair in rest[1::k] for log in pair]
     sweep = []
     for i, rows in enumerate(args.rows):
         bucketed, overlap = logs[2 * i][1:], logs[2 * i + 1][1:]  # iteration 0 is warm-up
@@ -254,6 +278,8 @@ def measure(args, tmp):
                           backward_s=trace_span(f"{tmp}/b{rows}.json", "backward"),
                           step_s=med(overlap, "dt_ms"), exposed_s=med(overlap, "exposed_comm_ms"),
                           bucketed_step_s=med(bucketed, "dt_ms")))
+        if args.fsdp:
+            sweep[-1]["fsdp_comm_s"], sweep[-1]["fsdp_compute_s"] = trace_comm_compute(f"{tmp}/f{rows}.json")
     return compute, link, sweep, took
 
 
@@ -318,6 +344,8 @@ def main(argv=None):
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--json", default="", help="write every number here")
     p.add_argument("--svg", default="", help="draw the sweep here")
+    p.add_argument("--fsdp", action=argparse.BooleanOptionalAction, default=True,
+                   help="sweep fsdp.py (ZeRO-3) too (--no-fsdp: DDP alone, a third faster)")
     p.add_argument("--gpus_only", action="store_true")
     args = p.parse_args(argv)
     if args.iters < 3 or min(args.rows) < 1 or args.world < 2:
@@ -362,19 +390,26 @@ def main(argv=None):
         print(f"\n{'strategy':>8} {'quantity':>15} {'predicted':>10} {'measured':>9} {'ratio':>6}")
         print(f"{'ddp':>8} {'tokens per rank':>15} {shown(predicted, predicted_how):>10} {shown(found, how):>9} "
               f"{f'{ratio:.2f}' if ratio else '-':>6}")
-        # ZeRO-3 (fsdp.py, --prefetch=1): each of the L+1 units all-gathered twice and reduce-scattered
-        # once a step, hidden behind forward and backward both: predicted only, not swept yet
+        # ZeRO-3 (fsdp.py): each of the L+1 units all-gathered twice and reduce-scattered once a step,
+        # which prefetching hides behind forward and backward both
         import fsdp
         fs_traffic = fsdp.traffic_per_rank(config, argparse.Namespace(dtype="float32", zero_stage=3, grad_accum=1,
                                                                       grad_clip=1.0), args.world)
-        fs_comm = 3 * (config.n_layer + 1) * alpha + fs_traffic / beta
+        # α is an all-reduce's, 2(N-1) ring steps; an all-gather or a reduce-scatter takes N-1
+        fs_comm = 3 * (config.n_layer + 1) * alpha / 2 + fs_traffic / beta
         fs_pred, fs_how = crossing(xs, [fs_comm] * len(xs), [fpt * x / f for x, f in rates])
-        print(f"{'fsdp':>8} {'tokens per rank':>15} {shown(fs_pred, fs_how):>10} {'not swept':>9} {'-':>6}")
+        fs_found, fs_found_how, fs_ratio = None, None, None
+        if args.fsdp:
+            fs_found, fs_found_how = crossing(xs, [s["fsdp_comm_s"] for s in sweep], [s["fsdp_compute_s"] for s in sweep])
+            fs_ratio = fs_found / fs_pred if fs_how == fs_found_how == "found" else None
+        print(f"{'fsdp':>8} {'tokens per rank':>15} {shown(fs_pred, fs_how):>10} "
+              f"{shown(fs_found, fs_found_how) if args.fsdp else 'not swept':>9} {f'{fs_ratio:.2f}' if fs_ratio else '-':>6}")
         result.update(model=args.model, block=args.block, world=args.world, params=M.param_count(config),
                       flops_per_token=fpt, compute=rates, link=link, alpha_s=alpha, beta_Bps=beta, seconds=took,
                       ddp=dict(traffic=traffic, buckets=buckets, comm_s=comm, predicted=predicted,
                                predicted_how=predicted_how, measured=found, measured_how=how, sweep=sweep),
-                      fsdp=dict(traffic=fs_traffic, comm_s=fs_comm, predicted=fs_pred, predicted_how=fs_how))
+                      fsdp=dict(traffic=fs_traffic, comm_s=fs_comm, predicted=fs_pred, predicted_how=fs_how,
+                                measured=fs_found, measured_how=fs_found_how))
         if args.svg:
             picture(args.svg, sweep, predicted if predicted_how == "found" else None, found if how == "found" else None)
     print_gpu(gpu)
