@@ -23,6 +23,10 @@ backward's share of the 6N FLOPs a token. Measured here, in one 2-rank launch:
          cost a token, since a CPU step pays per-op overhead at small x). --mode=overlap at each
          x too, for the picture: step time split into compute and exposed communication.
 
+fsdp.py (ZeRO-3) the same way, unless --no-fsdp: predicted from the same F, α, β and
+fsdp.traffic_per_rank() against forward and backward, found with --prefetch=0 from its
+trace (its collectives' time against the rest of the step).
+
 The GPU rows apply the same threshold to data-sheet figures (plan_3d.CLUSTERS) under the
 scaling book's assumptions (bf16 gradients, α = 0, many ranks: x* = C/W) and under this
 code's (float32 gradients, 2(N-1)/N).
