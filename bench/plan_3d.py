@@ -78,6 +78,11 @@ MODELS = dict(M.PRESETS, **{
 CLUSTERS = {
     "H100": dict(gpus_per_node=8, nvlink_bw=450e9, ib_bw=50e9, mem=80e9, peak=989e12, hbm_bw=3.35e12),
     "A100": dict(gpus_per_node=8, nvlink_bw=300e9, ib_bw=25e9, mem=80e9, peak=312e12, hbm_bw=2.039e12),
+    # H200: the H100's chip, NVLink 4 and DGX NICs (ConnectX-7, 400 Gb/s a GPU), with 141 GB of HBM3e at
+    # 4.8 TB/s; B200 (DGX B200): NVLink 5, 900 GB/s a GPU each way, the same ConnectX-7 NICs, 180 GB at
+    # 8 TB/s, 2.25 PFLOP/s dense bf16 (model.PEAK_FLOPS)
+    "H200": dict(gpus_per_node=8, nvlink_bw=450e9, ib_bw=50e9, mem=141e9, peak=989e12, hbm_bw=4.8e12),
+    "B200": dict(gpus_per_node=8, nvlink_bw=900e9, ib_bw=50e9, mem=180e9, peak=2250e12, hbm_bw=8e12),
 }
 # Latency, NCCL's own tuning model (NVIDIA/nccl@5067397c src/graph/tuning.cc, ring, Simple protocol):
 # 8.4 µs a call, 3.4 µs a ring step on NVLink, 14 µs a step that crosses the network

@@ -1,0 +1,425 @@
+"""
+The roofline, measured: below how many tokens per rank does a DDP step wait for the wire?
+Predicted from this machine's measured compute rate and link, then found by running ddp.py.
+
+    python bench/roofline.py                 # ~2-4 minutes on 2 cores: measure, predict, sweep, print
+    python bench/roofline.py --json out.json --svg out.svg
+    python bench/roofline.py --gpus_only     # the H100/H200/B200 rows alone (a calculation, instant)
+
+Overlapped DDP hides the gradient all-reduce behind backward, so a step is compute-bound
+while the all-reduce takes less time than backward (the scaling book's condition):
+
+    k·α + traffic/β  <  (4/6)·flops_per_token · x / F          x = tokens per rank
+
+traffic = ddp.traffic_per_rank() (2(N-1)/N of the gradient bytes), k the buckets, 4/6 the
+backward's share of the 6N FLOPs a token. Measured here, in one 2-rank launch:
+  F      FLOP/s of one rank running the model's own forward and backward at each swept x,
+         just before that x's runs, while the other rank does the same (both share the
+         machine, as in training); the predicted x* is where the two sides cross, read as below
+  α, β   collectives.py's all_reduce between the 2 ranks at a few sizes, t = α + traffic/β
+  found  ddp.py --mode=bucketed at each x: its all-reduce time (the log's exposed_comm_ms:
+         bucketed hides nothing) against its backward (the trace's "backward" span); the
+         threshold is where the two cross (crossing(): backward fitted as a fixed cost plus a
+         cost a token, since a CPU step pays per-op overhead at small x). --mode=overlap at each
+         x too, for the picture: step time split into compute and exposed communication.
+
+fsdp.py (ZeRO-3) the same way, unless --no-fsdp: predicted from the same F, α, β and
+fsdp.traffic_per_rank() against forward and backward, found with --prefetch=0 from its
+trace (its collectives' time against the rest of the step).
+
+The GPU rows apply the same threshold to data-sheet figures (plan_3d.CLUSTERS) under the
+scaling book's assumptions (bf16 gradients, α = 0, many ranks: x* = C/W) and under this
+code's (float32 gradients, 2(N-1)/N).
+"""
+import argparse
+import json
+import math
+import multiprocessing as mp
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path[:0] = [ROOT, HERE]
+import model as M  # noqa: E402
+
+# The scaling book ("How to Scale Your Model", the GPU chapter), data parallelism on H100:
+# compute-bound above C/W tokens per GPU, C = 990e12 bf16 FLOP/s, W = 450 GB/s of NVLink a GPU
+# inside a node, 400 GB/s a node (8 x 400 Gb/s NICs) across nodes
+PUBLISHED = {("H100", "node"): 2200, ("H100", "across"): 2475}
+
+
+# ---------------------------------------------------------------------------------- the roofline
+def fit_link(traffic, seconds):
+    """Least squares t = α + traffic/β over the measured sizes -> (α seconds, β bytes/s)."""
+    slope, alpha = np.polyfit(np.asarray(traffic, float), np.asarray(seconds, float), 1)
+    return max(alpha, 0.0), 1.0 / max(slope, 1e-30)
+
+
+def ddp_threshold(flops_per_token, comm_s, rate, bwd_share=4 / 6):
+    """Tokens per rank at which backward takes as long as the all-reduce, at a constant rate F:
+    x* = comm·F/(share·fpt)."""
+    return comm_s * rate / (bwd_share * flops_per_token)
+
+
+def gpu_dp_rows(clusters):
+    """DP thresholds on data-sheet hardware: per GPU, inside a node (NVLink) and across (the
+    node's NICs, which a hierarchical all-reduce shares among its GPUs: each GPU carries
+    1/gpus_per_node of the cross-node bytes). A large model: α's share vanishes.
+    book: bf16 gradients, ring traffic 2S, backward 4 FLOPs a parameter a token -> C/W
+    code: ddp.py's float32 gradients and 2(N-1)/N (N = a node's GPUs; across, 2 nodes' worth)."""
+    rows = []
+    for gpu, cl in clusters.items():
+        for where, bw, n in (("node", cl["nvlink_bw"], cl["gpus_per_node"]),
+                             ("across", cl["ib_bw"] * cl["gpus_per_node"], 2 * cl["gpus_per_node"])):
+            book = ddp_threshold(4, 2 * 2 / bw, cl["peak"], bwd_share=1)          # per parameter
+            code = ddp_threshold(4, 2 * (n - 1) / n * 4 / bw, cl["peak"], bwd_share=1)
+            rows.append(dict(gpu=gpu, where=where, peak=cl["peak"], bw=bw, book=book, code=code,
+                             published=PUBLISHED.get((gpu, where))))
+    return rows
+
+
+def crossing(xs, comm, compute):
+    """Where the step turns compute-bound as x grows, read from a sweep: compute(x) fitted as
+    t0 + x/r (a fixed cost a step, per-op overhead, plus the per-token work; least squares on
+    relative error, so the small x weigh as much as the large), the communication as its median
+    (it does not depend on x), solved for t0 + x/r = comm -> (x*, how): how is "found" when
+    x* lies within a factor of 2 of the swept range, "below" (compute-bound at every x swept)
+    or "above" (communication-bound at every x swept)."""
+    x, t = np.asarray(xs, float), np.asarray(compute, float)
+    slope, t0 = np.polyfit(x, t, 1, w=1 / t)
+    level = statistics.median(comm)
+    if slope <= 0:
+        return float(xs[-1]), "above" if level > t.max() else "below"
+    found = (level - t0) / slope
+    if found < xs[0] / 2:
+        return float(xs[0]), "below"
+    if found > 2 * xs[-1]:
+        return float(xs[-1]), "above"
+    return float(found), "found"
+
+
+# ---------------------------------------------------------------------------------- measuring
+def _rank_main(rank, world, port, jobs, out):
+    os.environ.update(CUDA_VISIBLE_DEVICES="", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    sys.path[:0] = [ROOT, HERE]
+    import torch
+    import torch.distributed as dist
+    torch.set_num_threads(1)  # the ranks share the cores, as torchrun's OMP_NUM_THREADS=1 has them
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        out.put((rank, [globals()[fn](rank, world, *args) for fn, args in jobs]))
+    except BaseException as e:  # noqa: BLE001 -- reported by the parent, with the rank
+        out.put((rank, f"{type(e).__name__}: {e}"))
+        raise
+
+
+def launch(jobs, world=2, timeout=900):
+    """Runs each (function name, args) on `world` fresh gloo ranks, in order -> rank 0's results."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_rank_main, args=(r, world, port, jobs, out)) for r in range(world)]
+    for p in procs:
+        p.start()
+    try:
+        got = dict(out.get(timeout=timeout) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    for r, v in got.items():
+        if isinstance(v, str):
+            sys.exit(f"error: rank {r}: {v}")
+    return got[0]
+
+
+def job_compute(rank, world, preset, vocab, block, rows_list, reps):
+    """Forward and backward of the whole model at each row count, both ranks at once -> per
+    row count (tokens, forward s, backward s), the slower rank's median."""
+    import torch
+    import collectives as C
+    config = M.make_config(preset, vocab, block)
+    model = M.GPT(config, seed=0)
+    res = []
+    for rows in rows_list:
+        idx = torch.randint(0, vocab, (rows, block))
+        fw, bw = [], []
+        for k in range(reps + 1):
+            C.barrier()
+            t0 = time.perf_counter()
+            _, loss = model(idx, idx)
+            t1 = time.perf_counter()
+            loss.backward()
+            t2 = time.perf_counter()
+            model.zero_grad(set_to_none=True)
+            if k:  # the first is warm-up
+                fw.append(t1 - t0)
+                bw.append(t2 - t1)
+        t = torch.tensor([statistics.median(fw), statistics.median(bw)], dtype=torch.float64)
+        C.all_reduce(t, op="max")
+        res.append((rows * block, *t.tolist()))
+    return res
+
+
+def job_link(rank, world, sizes, reps):
+    """collectives.py's all_reduce of each size (bytes, float32) -> median seconds, slower rank."""
+    import torch
+    import collectives as C
+    res = []
+    for size in sizes:
+        buf = torch.ones(size // 4)
+        ts = []
+        for k in range(reps + 1):
+            C.barrier()
+            t0 = time.perf_counter()
+            C.all_reduce(buf, op="avg")
+            if k:
+                ts.append(time.perf_counter() - t0)
+        t = torch.tensor([statistics.median(ts)], dtype=torch.float64)
+        C.all_reduce(t, op="max")
+        res.append((size, t.item()))
+    return res
+
+
+def job_main(rank, world, script, runs):
+    """script.main(argv) for each argv, in these ranks -> rank 0's log records of each."""
+    import importlib
+    import collectives as C
+    main = importlib.import_module(script).main
+    out = []
+    for argv in runs:
+        C.barrier()
+        out.append(main(argv))
+    return out
+
+
+def trace_comm_compute(path):
+    """fsdp.py --prefetch=0's trace -> (communication s, compute s) a step: the communication the
+    sum of its collectives' spans on the rank that waited least (min: the others' extra wait is
+    skew), the compute the step less its waits and the optimizer on the slower rank; medians."""
+    per = {}
+    for e in json.load(open(path))["traceEvents"]:
+        if e.get("ph") == "X":
+            d = per.setdefault((e["args"]["step"], e["pid"]), dict(comm=0.0, wait=0.0, step=0.0, optimizer=0.0))
+            key = e["cat"] if e["cat"] in ("comm", "wait", "step") else e["name"]
+            if key in d:
+                d[key] += e["dur"] / 1e6
+    steps = sorted({s for s, _ in per})
+    comm = statistics.median(min(d["comm"] for (s, _), d in per.items() if s == st) for st in steps)
+    compute = statistics.median(max(d["step"] - d["wait"] - d["optimizer"] for (s, _), d in per.items() if s == st)
+                                for st in steps)
+    return comm, compute
+
+
+def trace_span(path, name, skip=0):
+    """Median over the traced steps of the slowest rank's total time in spans called `name` (s)."""
+    per = {}
+    for e in json.load(open(path))["traceEvents"]:
+        if e.get("name") == name and e.get("ph") == "X" and e["args"]["step"] >= skip:
+            key = (e["args"]["step"], e["pid"])
+            per[key] = per.get(key, 0) + e["dur"] / 1e6
+    steps = sorted({s for s, _ in per})
+    return statistics.median(max(v for (s, _), v in per.items() if s == st) for st in steps)
+
+
+def synthetic_data(folder, vocab, n=200_000):
+    rng = np.random.default_rng(0)
+    for split in ("train", "val"):
+        rng.integers(0, vocab, n, dtype=np.uint16).tofile(os.path.join(folder, f"{split}.bin"))
+    json.dump(dict(vocab_size=vocab), open(os.path.join(folder, "meta.json"), "w"))
+
+
+def measure(args, tmp):
+    data = os.path.join(tmp, "data")
+    os.makedirs(data)
+    synthetic_data(data, args.vocab)
+    common = [f"--model={args.model}", f"--block_size={args.block}", f"--data_dir={data}", f"--bucket_mb={args.bucket_mb}",
+              f"--max_iters={args.iters}", "--eval_interval=0", "--log_interval=0", "--dtype=float32"]
+    runs = []
+    for rows in args.rows:
+        b = rows * args.world
+        runs.append(common + [f"--batch_size={b}", "--mode=bucketed", f"--trace={tmp}/b{rows}.json",
+                              f"--trace_steps=1-{args.iters - 1}"])
+        runs.append(common + [f"--batch_size={b}", "--mode=overlap"])
+    mib = 1 << 20
+    sizes = [mib // 4, mib // 2, mib, 2 * mib, 4 * mib]  # around ddp.py's buckets (--bucket_mb)
+    # each x's compute rate is measured just before its ddp.py runs: on a shared machine the load
+    # drifts over minutes, and a rate taken once at the start would predict for another machine
+    jobs = [("job_link", (sizes, args.reps))]
+    for i, rows in enumerate(args.rows):
+        jobs += [("job_compute", (args.model, args.vocab, args.block, [rows], args.reps)),
+                 ("job_main", ("ddp", runs[2 * i:2 * i + 2]))]
+        if args.fsdp:  # ZeRO-3 with nothing prefetched: every gather waited for, its time in the trace
+            jobs.append(("job_main", ("fsdp", [[a for a in common if "bucket" not in a] + [
+                f"--batch_size={rows * args.world}", "--prefetch=0", f"--trace={tmp}/f{rows}.json",
+                f"--trace_steps=1-{args.iters - 1}"]])))
+    t0 = time.time()
+    link, *rest = launch(jobs, args.world)
+    took = time.time() - t0
+    k = 3 if args.fsdp else 2
+    compute = [c for c in rest[0::k] for c in c]
+    logs = [log for pair in rest[1::k] for log in pair]
+    sweep = []
+    for i, rows in enumerate(args.rows):
+        bucketed, overlap = logs[2 * i][1:], logs[2 * i + 1][1:]  # iteration 0 is warm-up
+
+        def med(recs, key, pick=max):
+            return statistics.median(pick(r[key]) if isinstance(r[key], list) else r[key] for r in recs) / 1000
+        # the all-reduce's time is the rank that arrived last's wait (min over ranks): the others
+        # also wait for it to finish its backward, which is skew between the ranks, not the wire
+        sweep.append(dict(tokens=rows * args.block, comm_s=med(bucketed, "exposed_comm_ms", min),
+                          backward_s=trace_span(f"{tmp}/b{rows}.json", "backward"),
+                          step_s=med(overlap, "dt_ms"), exposed_s=med(overlap, "exposed_comm_ms"),
+                          bucketed_step_s=med(bucketed, "dt_ms")))
+        if args.fsdp:
+            sweep[-1]["fsdp_comm_s"], sweep[-1]["fsdp_compute_s"] = trace_comm_compute(f"{tmp}/f{rows}.json")
+    return compute, link, sweep, took
+
+
+# ---------------------------------------------------------------------------------- reporting
+def picture(path, sweep, predicted, found):
+    """The sweep as an SVG, written by hand (no plotting dependency): at each x the overlap
+    run's step, compute below and exposed communication above; the bucketed run's all-reduce
+    and backward as lines; the predicted and found thresholds as dashed verticals."""
+    W, H, L, B = 640, 360, 60, 50  # canvas, left and bottom margins
+    xs = [s["tokens"] for s in sweep]
+    top = 1000 * max(max(s["step_s"], s["comm_s"], s["backward_s"]) for s in sweep) * 1.1
+    lx = lambda x: L + (W - L - 20) * (math.log(x / xs[0]) / math.log(xs[-1] / xs[0]))  # noqa: E731
+    ly = lambda ms: H - B - (H - B - 30) * ms / top  # noqa: E731
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" font-family="sans-serif" font-size="11">',
+           f'<text x="{L}" y="16">ddp.py, 2 CPU ranks: step time against tokens per rank (ms)</text>',
+           f'<line x1="{L}" y1="{H - B}" x2="{W - 10}" y2="{H - B}" stroke="black"/>',
+           f'<line x1="{L}" y1="{H - B}" x2="{L}" y2="24" stroke="black"/>']
+    for s in sweep:
+        x, comp, exp_ = lx(s["tokens"]), 1000 * (s["step_s"] - s["exposed_s"]), 1000 * s["exposed_s"]
+        out += [f'<rect x="{x - 9:.1f}" y="{ly(comp):.1f}" width="18" height="{ly(0) - ly(comp):.1f}" fill="#4c72b0"/>',
+                f'<rect x="{x - 9:.1f}" y="{ly(comp + exp_):.1f}" width="18" height="{ly(comp) - ly(comp + exp_):.1f}" '
+                'fill="#dd8452"/>', f'<text x="{x:.1f}" y="{H - B + 15}" text-anchor="middle">{s["tokens"]}</text>']
+    for key, color in (("comm_s", "black"), ("backward_s", "green")):
+        pts = " ".join(f"{lx(s['tokens']):.1f},{ly(1000 * s[key]):.1f}" for s in sweep)
+        out.append(f'<polyline points="{pts}" fill="none" stroke="{color}" stroke-width="2"/>')
+    for x, dash, name in ((predicted, "6,3", "predicted"), (found, "2,2", "found")):
+        if x:
+            out += [f'<line x1="{lx(x):.1f}" y1="{H - B}" x2="{lx(x):.1f}" y2="28" stroke="red" stroke-dasharray="{dash}"/>',
+                    f'<text x="{lx(x) + 3:.1f}" y="{40 if name == "found" else 54}" fill="red">{name} {x:.0f}</text>']
+    for ms in (0, top / 2.2, top / 1.1):
+        out.append(f'<text x="{L - 5}" y="{ly(ms) + 4:.1f}" text-anchor="end">{ms:.0f}</text>')
+    legend = (("#4c72b0", "compute (overlap)"), ("#dd8452", "exposed comm (overlap)"), ("black", "all-reduce (bucketed)"),
+              ("green", "backward (bucketed)"))
+    for k, (color, text) in enumerate(legend):
+        out += [f'<rect x="{L + 150 * k}" y="{H - 18}" width="10" height="10" fill="{color}"/>',
+                f'<text x="{L + 150 * k + 14}" y="{H - 9}">{text}</text>']
+    with open(path, "w") as f:
+        f.write("\n".join(out + ["</svg>"]) + "\n")
+    print(f"picture: {path}")
+
+
+def print_gpu(rows):
+    print("\nData parallelism on GPUs: compute-bound above x* tokens per GPU (same threshold, data-sheet C and W)")
+    print(f"{'GPU':>5} {'link':>7} {'C TFLOP/s':>10} {'W GB/s':>7} {'book assumptions':>17} {'published':>10} "
+          f"{'error':>6} {'ddp.py (fp32 grads)':>20}")
+    for r in rows:
+        pub = f"{r['published']:,}" if r["published"] else "-"
+        err = f"{100 * (r['book'] / r['published'] - 1):+.0f}%" if r["published"] else ""
+        print(f"{r['gpu']:>5} {r['where']:>7} {r['peak'] / 1e12:>10.0f} {r['bw'] / 1e9:>7.0f} {r['book']:>17,.0f} "
+              f"{pub:>10} {err:>6} {r['code']:>20,.0f}")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="tiny")
+    p.add_argument("--block", type=int, default=16, help="tokens a sequence; the sweep varies the rows")
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32], help="sequences per rank, swept")
+    p.add_argument("--vocab", type=int, default=256, help="the synthetic data's vocabulary")
+    p.add_argument("--bucket_mb", type=float, default=1.0)
+    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--world", type=int, default=2)
+    p.add_argument("--json", default="", help="write every number here")
+    p.add_argument("--svg", default="", help="draw the sweep here")
+    p.add_argument("--fsdp", action=argparse.BooleanOptionalAction, default=True,
+                   help="sweep fsdp.py (ZeRO-3) too (--no-fsdp: DDP alone, a third faster)")
+    p.add_argument("--gpus_only", action="store_true")
+    args = p.parse_args(argv)
+    if args.iters < 3 or min(args.rows) < 1 or args.world < 2:
+        sys.exit("error: --iters must be at least 3, --rows positive, --world at least 2")
+    import plan_3d
+    gpu = gpu_dp_rows(plan_3d.CLUSTERS)
+    result = dict(gpu=gpu)
+    if not args.gpus_only:
+        import ddp
+        config = M.make_config(args.model, args.vocab, args.block)
+        fpt = M.flops_per_token(config)
+        with tempfile.TemporaryDirectory() as tmp:
+            compute, link, sweep, took = measure(args, tmp)
+        rates = [(x, fpt * x / (f + b)) for x, f, b in compute]
+        alpha, beta = fit_link([2 * (args.world - 1) / args.world * s for s, _ in link], [t for _, t in link])
+        cfg = argparse.Namespace(grad_accum=1)
+        traffic = ddp.traffic_per_rank(config, cfg, args.world)
+        buckets = math.ceil(4 * M.param_count(config) / (args.bucket_mb * 2**20))
+        comm = buckets * alpha + traffic / beta
+        # F is measured at each swept x: on a CPU the small shapes run far below the large ones'
+        # rate (per-op overhead), so one F would put the crossing where no step runs at that rate
+        xs = [s["tokens"] for s in sweep]
+        predicted, predicted_how = crossing(xs, [comm] * len(xs), [(4 / 6) * fpt * x / f for x, f in rates])
+        found, how = crossing(xs, [s["comm_s"] for s in sweep], [s["backward_s"] for s in sweep])
+        print(f"measured on this machine ({args.world} CPU ranks over gloo, 1 thread each; {took:.0f} s), "
+              f"--model={args.model} --block_size={args.block}, {M.param_count(config) / 1e6:.2f}M parameters")
+        print("compute, FLOP/s a rank (forward+backward, both ranks at once): "
+              + ", ".join(f"{x} tok {f / 1e9:.1f}G" for x, f in rates))
+        print("all_reduce, 2 ranks: " + ", ".join(f"{s / 2**20:g} MiB {1000 * t:.1f} ms" for s, t in link)
+              + f"  ->  alpha {1e6 * alpha:.0f} us, beta {beta / 1e9:.2f} GB/s")
+        print(f"ddp: {traffic / 1e6:.2f} MB a rank a step in {buckets} buckets -> {1000 * comm:.1f} ms predicted "
+              f"({1000 * statistics.median(s['comm_s'] for s in sweep):.1f} ms measured, median of the sweep)")
+        print(f"\n{'tokens/rank':>11} {'all-reduce ms':>14} {'backward ms':>12} {'comm/bwd':>9} "
+              f"{'overlap: step ms':>17} {'exposed ms':>11} {'bucketed step ms':>17}")
+        for s in sweep:
+            print(f"{s['tokens']:>11} {1000 * s['comm_s']:>14.1f} {1000 * s['backward_s']:>12.1f} "
+                  f"{s['comm_s'] / s['backward_s']:>9.2f} {1000 * s['step_s']:>17.1f} {1000 * s['exposed_s']:>11.1f} "
+                  f"{1000 * s['bucketed_step_s']:>17.1f}")
+        def shown(x, how):
+            return {"found": f"{x:,.0f}", "below": f"< {x}", "above": f"> {x}"}[how]
+        ratio = found / predicted if how == predicted_how == "found" else None
+        print(f"\n{'strategy':>8} {'quantity':>15} {'predicted':>10} {'measured':>9} {'ratio':>6}")
+        print(f"{'ddp':>8} {'tokens per rank':>15} {shown(predicted, predicted_how):>10} {shown(found, how):>9} "
+              f"{f'{ratio:.2f}' if ratio else '-':>6}")
+        # ZeRO-3 (fsdp.py): each of the L+1 units all-gathered twice and reduce-scattered once a step,
+        # which prefetching hides behind forward and backward both
+        import fsdp
+        fs_traffic = fsdp.traffic_per_rank(config, argparse.Namespace(dtype="float32", zero_stage=3, grad_accum=1,
+                                                                      grad_clip=1.0), args.world)
+        # α is an all-reduce's, 2(N-1) ring steps; an all-gather or a reduce-scatter takes N-1
+        fs_comm = 3 * (config.n_layer + 1) * alpha / 2 + fs_traffic / beta
+        fs_pred, fs_how = crossing(xs, [fs_comm] * len(xs), [fpt * x / f for x, f in rates])
+        fs_found, fs_found_how, fs_ratio = None, None, None
+        if args.fsdp:
+            fs_found, fs_found_how = crossing(xs, [s["fsdp_comm_s"] for s in sweep], [s["fsdp_compute_s"] for s in sweep])
+            fs_ratio = fs_found / fs_pred if fs_how == fs_found_how == "found" else None
+        print(f"{'fsdp':>8} {'tokens per rank':>15} {shown(fs_pred, fs_how):>10} "
+              f"{shown(fs_found, fs_found_how) if args.fsdp else 'not swept':>9} {f'{fs_ratio:.2f}' if fs_ratio else '-':>6}")
+        result.update(model=args.model, block=args.block, world=args.world, params=M.param_count(config),
+                      flops_per_token=fpt, compute=rates, link=link, alpha_s=alpha, beta_Bps=beta, seconds=took,
+                      ddp=dict(traffic=traffic, buckets=buckets, comm_s=comm, predicted=predicted,
+                               predicted_how=predicted_how, measured=found, measured_how=how, sweep=sweep),
+                      fsdp=dict(traffic=fs_traffic, comm_s=fs_comm, predicted=fs_pred, predicted_how=fs_how,
+                                measured=fs_found, measured_how=fs_found_how))
+        if args.svg:
+            picture(args.svg, sweep, predicted if predicted_how == "found" else None, found if how == "found" else None)
+    print_gpu(gpu)
+    if args.json:
+        json.dump(result, open(args.json, "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main()
