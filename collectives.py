@@ -28,8 +28,8 @@ posts messages, and it keeps several steps on the wire at once: that is how the 
 overlap the wire with the adder. Costs are in the alpha-beta model (Thakur, Rabenseifner &
 Gropp, "Optimization of Collective Communication Operations in MPICH", 2005;
 docs/formulas.md): a message of S bytes costs alpha + S/beta, reducing
-S bytes costs S*gamma, N is the number of ranks. bench/collectives_bench.py times each
-one against the built-in (`torchrun --nproc_per_node=4 bench/collectives_bench.py`).
+S bytes costs S*gamma, N is the number of ranks. bench/collectives_vs_torch.py times each
+one against the built-in (`torchrun --nproc_per_node=4 bench/collectives_vs_torch.py`).
 """
 import atexit
 import contextlib
@@ -49,7 +49,7 @@ from collections import defaultdict, deque
 import torch
 import torch.distributed as dist
 
-# Tuning knobs, measured with bench/collectives_bench.py (gloo ranks on 2 CPU cores, where
+# Tuning knobs, measured with bench/collectives_vs_torch.py (gloo ranks on 2 CPU cores, where
 # alpha is a thread wake-up: ~0.1 ms idle, milliseconds under load). There the tree
 # all_reduce beat the ring up to 4-8 MB; 64 KB keeps the tree for small messages only, the
 # split that the training scripts' traffic tests assume. Two ranks swap whole buffers up to

@@ -16,7 +16,7 @@ context_parallel.py's, pipeline_parallel.py's and expert_parallel.py's, run on s
     torchrun --nproc_per_node=8 parallel_nd.py --dp_replicate=2 --dp_shard=2 --tp=2  # HSDP x TP
     torchrun --nproc_per_node=8 parallel_nd.py --dp_shard=2 --cp=2 --tp=2 --layout=zigzag
     torchrun --nproc_per_node=8 parallel_nd.py --dp_shard=2 --cp=2 --tp=2 --n_expert=8 --ep=4  # + EP
-    torchrun --nnodes=16 --nproc_per_node=8 ... parallel_nd.py --model=gpt2-xl --pp=4   # see bench/plan_3d.py
+    torchrun --nnodes=16 --nproc_per_node=8 ... parallel_nd.py --model=gpt2-xl --pp=4   # see bench/plan_cluster.py
 
 The mesh. rank = (((pp_rank·R + rep_rank)·S + shard_rank)·CP + cp_rank)·TP + tp_rank: the axis
 that sends the most, most often, innermost, on the fastest links: tp (4 all-reduces of
@@ -30,7 +30,7 @@ pipeline_parallel's schedules, each stage running tensor parallel's pieces on it
 its attention on the cp ring; then reduce_gradients (the tie between the pipeline's two ends,
 dp_shard's reduce-scatter of each unit's gradient, the average over cp and dp_replicate, the
 experts' over ep_dp and dp_replicate), the clip and the update. What each axis sends per
-step: axis_bytes(), which the tests hold the log to and bench/plan_3d.py uses to predict a
+step: axis_bytes(), which the tests hold the log to and bench/plan_cluster.py uses to predict a
 cluster's layouts. The order's reasons, the experts' groups, ZeRO in a pipeline and the flags:
 docs/parallel_nd.md.
 """
@@ -870,7 +870,7 @@ def moe_stats(run, stage, me, ep_group, dispatch):
 
 
 # -----------------------------------------------------------------------------
-# the traffic, in code: shared with bench/plan_3d.py
+# the traffic, in code: shared with bench/plan_cluster.py
 
 
 def block_params(config):
@@ -1033,7 +1033,7 @@ def axis_bytes(config, cfg, mesh, stage=None, routed=None):
       ep (stage k)  m·L_k MoE layers' exchanges (axis_messages), + 1 float (the norm)
       ep_dp         one all-reduce of the experts' gradients the rank holds, X_k = expert_params
                     floats (and one more on dp_replicate)
-    bench/plan_3d.py uses this same function to predict the step time of a layout on a
+    bench/plan_cluster.py uses this same function to predict the step time of a layout on a
     cluster. Without --sequence_parallel every tp rank sends the whole activation across a
     boundary: tp copies of the same bytes (Megatron's scatter/gather optimisation sends 1/tp
     and all-gathers after); with it, each sends only its own positions.

@@ -810,8 +810,8 @@ def test_benchmark_bad_sizes(capsys):
     """argparse's own one line, exit 2, before any process group (so in this process: the
     same code as the command line, without a launch)."""
     import importlib.util
-    spec = importlib.util.spec_from_file_location("collectives_bench", os.path.join(ROOT, "bench",
-                                                                                   "collectives_bench.py"))
+    spec = importlib.util.spec_from_file_location("collectives_vs_torch", os.path.join(ROOT, "bench",
+                                                                                   "collectives_vs_torch.py"))
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     for flag in ("--max_size=lots", "--sizes=4K,lots", "--ops=all_reduce,allreduce"):
@@ -819,11 +819,11 @@ def test_benchmark_bad_sizes(capsys):
             bench.main([flag])
         err = capsys.readouterr().err
         assert e.value.code == 2 and "Traceback" not in err, err
-        assert err.strip().splitlines()[-1].startswith("collectives_bench.py: error: argument"), err
+        assert err.strip().splitlines()[-1].startswith("collectives_vs_torch.py: error: argument"), err
 
 
 def test_benchmark_runs():
-    p = torchrun("bench/collectives_bench.py", 2, ["--sizes=4K,64K", "--iters=2", "--warmup=1", "--backend=gloo"],
+    p = torchrun("bench/collectives_vs_torch.py", 2, ["--sizes=4K,64K", "--iters=2", "--warmup=1", "--backend=gloo"],
                  timeout=120)
     assert p.returncode == 0, p.stderr[-3000:]
     assert "busbw" in p.stdout

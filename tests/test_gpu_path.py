@@ -90,10 +90,10 @@ def test_flight_recorder_waits_for_the_gpu(fake_cuda):
 
 
 def test_peer_losses_reduce_on_the_runs_device(monkeypatch):
-    """bench/vs_torch.py: an NCCL group has no CPU backend, so the losses it reduces must be
+    """bench/strategies_vs_torch.py: an NCCL group has no CPU backend, so the losses it reduces must be
     on the run's device ("meta" here: any device but the CPU tells)."""
     sys.path.insert(0, os.path.join(ROOT, "bench"))
-    import vs_torch as V
+    import strategies_vs_torch as V
     seen = []
 
     class Reduced(Exception):

@@ -30,7 +30,7 @@ from harness import spawn, refuse, assert_logs_match, assert_states_match
 from conftest import BF16_ARGS, ROOT, SHORT_STEPS, VOCAB, moe_preset
 
 sys.path.insert(0, os.path.join(ROOT, "bench"))
-import plan_3d  # noqa: E402
+import plan_cluster  # noqa: E402
 
 BATCH, BLOCK = 24, 32  # conftest.TRAIN_ARGS
 # bf16 runs against the one-process bf16 run of the same steps. Measured: cp x tp (bf16 ring and
@@ -306,7 +306,7 @@ def test_mesh_and_formulas_on_paper():
     """The layout rank = (((pp·R + r)·S + s)·CP + c)·TP + t, groups that partition the ranks;
     and the byte count and the state reduce to each strategy's own when the other axes are 1."""
     # the planner's byte and state model is the one the runs above are held to
-    assert (plan_3d.axis_bytes, plan_3d.axis_messages, plan_3d.state_per_rank) == \
+    assert (plan_cluster.axis_bytes, plan_cluster.axis_messages, plan_cluster.state_per_rank) == \
         (P.axis_bytes, P.axis_messages, P.state_per_rank)
     mesh = P.Mesh(2, 3, 2, 2, 3)
     world = P.world_of(mesh)

@@ -116,9 +116,9 @@ TINY_TRACE = {"traceEvents": [
 
 @pytest.mark.quick
 def test_timeline(tmp_path, monkeypatch, capsys):
-    """bench/timeline.py draws a trace (when matplotlib is there), and says in one line that it needs it."""
+    """bench/trace_timeline.py draws a trace (when matplotlib is there), and says in one line that it needs it."""
     sys.path.insert(0, os.path.join(ROOT, "bench"))
-    import timeline
+    import trace_timeline as timeline
     path = tmp_path / "t.json"
     path.write_text(json.dumps(TINY_TRACE))
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed

@@ -2,9 +2,9 @@
 The roofline, measured: below how many tokens per rank does a DDP step wait for the wire?
 Predicted from this machine's measured compute rate and link, then found by running ddp.py.
 
-    python bench/roofline.py                 # ~2-4 minutes on 2 cores: measure, predict, sweep, print
-    python bench/roofline.py --json out.json --svg out.svg
-    python bench/roofline.py --gpus_only     # the H100/H200/B200 rows alone (a calculation, instant)
+    python bench/strategies_roofline.py                 # ~2-4 minutes on 2 cores: measure, predict, sweep, print
+    python bench/strategies_roofline.py --json out.json --svg out.svg
+    python bench/strategies_roofline.py --gpus_only     # the H100/H200/B200 rows alone (a calculation, instant)
 
 Overlapped DDP hides the gradient all-reduce behind backward, so a step is compute-bound
 while the all-reduce takes less time than backward (the scaling book's condition):
@@ -27,7 +27,7 @@ fsdp.py (ZeRO-3) the same way, unless --no-fsdp: predicted from the same F, α, 
 fsdp.traffic_per_rank() against forward and backward, found with --prefetch=0 from its
 trace (its collectives' time against the rest of the step).
 
-The GPU rows apply the same threshold to data-sheet figures (plan_3d.CLUSTERS) under the
+The GPU rows apply the same threshold to data-sheet figures (plan_cluster.CLUSTERS) under the
 scaling book's assumptions (bf16 gradients, α = 0, many ranks: x* = C/W) and under this
 code's (float32 gradients, 2(N-1)/N).
 """
@@ -354,8 +354,8 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.iters < 3 or min(args.rows) < 1 or args.world < 2:
         sys.exit("error: --iters must be at least 3, --rows positive, --world at least 2")
-    import plan_3d
-    gpu = gpu_dp_rows(plan_3d.CLUSTERS)
+    import plan_cluster
+    gpu = gpu_dp_rows(plan_cluster.CLUSTERS)
     result = dict(gpu=gpu)
     if not args.gpus_only:
         import ddp

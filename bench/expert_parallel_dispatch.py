@@ -3,8 +3,8 @@ Expert parallelism: the all-to-all dispatch against the all-gather/reduce-scatte
 one, and what the load-balancing loss does to the experts' loads. Each run is
 launched with torchrun and read back from its JSON log.
 
-    python bench/expert_parallel_bench.py                    # both tables, CPU ranks over gloo
-    python bench/expert_parallel_bench.py --ranks=2 --steps=6 --balance_steps=50
+    python bench/expert_parallel_dispatch.py                    # both tables, CPU ranks over gloo
+    python bench/expert_parallel_dispatch.py --ranks=2 --steps=6 --balance_steps=50
 
 Table 1, at 2 and 4 ranks, both --dispatch modes: ms/step, and the MB a rank sends a
 step, in all and at the MoE layers alone, against expert_parallel.exchange_bytes()

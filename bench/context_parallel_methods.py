@@ -4,8 +4,8 @@ Ulysses (all-to-all) in one run: time per step, the communication a step waits f
 attention work of the slowest and the fastest rank, the bytes each rank sends (and the
 formula's), and the memory each rank keeps, next to the one-process run of the same model.
 
-    python bench/context_parallel_bench.py                     # tiny preset, 1 x 512 and 1 x 1024 tokens, 2 and 4 ranks
-    python bench/context_parallel_bench.py --block_sizes=2048  # one longer sequence (minutes a launch on 2 cores)
+    python bench/context_parallel_methods.py                     # tiny preset, 1 x 512 and 1 x 1024 tokens, 2 and 4 ranks
+    python bench/context_parallel_methods.py --block_sizes=2048  # one longer sequence (minutes a launch on 2 cores)
 
 Every run is a real launch with a deadline (`torchrun` for N ranks, plain `python` for
 the one-process run, which is context_parallel.py on a ring of one: the same code, one

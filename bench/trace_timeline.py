@@ -4,7 +4,7 @@ for the communication that ran asynchronously, compute and communication in two 
 the idle time left white.
 
     torchrun --nproc_per_node=2 ddp.py --model=tiny --max_iters=5 --trace=ddp.json
-    python bench/timeline.py ddp.json [more.json ...] --png ddp.png [--step=3] [--title="DDP, overlapped" ...]
+    python bench/trace_timeline.py ddp.json [more.json ...] --png ddp.png [--step=3] [--title="DDP, overlapped" ...]
 
 The same file opens as it is in ui.perfetto.dev or chrome://tracing, with every span's
 op, group, peers and bytes. matplotlib is optional (not in requirements.txt: the training
@@ -93,7 +93,7 @@ def main(argv=None):
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        print("timeline.py needs matplotlib (pip install matplotlib); the trace itself opens in ui.perfetto.dev",
+        print("trace_timeline.py needs matplotlib (pip install matplotlib); the trace itself opens in ui.perfetto.dev",
               file=sys.stderr)
         sys.exit(1)
     traces = []

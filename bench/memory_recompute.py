@@ -3,8 +3,8 @@ Benchmark --recompute on every strategy at 2 ranks: the bytes autograd keeps for
 rank (act_bytes, counted with saved-tensor hooks) next to the formula, and the time a step
 takes, for none / gelu / full.
 
-    python bench/recompute_bench.py                      # tiny preset, 8 x 64 tokens
-    python bench/recompute_bench.py --block_size=256 --iters=4
+    python bench/memory_recompute.py                      # tiny preset, 8 x 64 tokens
+    python bench/memory_recompute.py --block_size=256 --iters=4
 
 Every run is a real torchrun launch of 2 CPU ranks over gloo (one thread each) with a
 deadline; the numbers come from the JSON log rank 0 writes. ms/step is the median over the

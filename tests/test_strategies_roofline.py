@@ -1,4 +1,4 @@
-"""bench/roofline.py: the threshold's arithmetic on fixed inputs, and the sweep's crossing-finder
+"""bench/strategies_roofline.py: the threshold's arithmetic on fixed inputs, and the sweep's crossing-finder
 on synthetic data. No launch: the measured side is the bench's to print, never asserted."""
 import math
 import os
@@ -8,12 +8,12 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "bench")]
-import plan_3d  # noqa: E402
-import roofline as R  # noqa: E402
+import plan_cluster  # noqa: E402
+import strategies_roofline as R  # noqa: E402
 
 
 def test_gpu_rows_reproduce_the_scaling_books_dp_thresholds():
-    rows = {(r["gpu"], r["where"]): r for r in R.gpu_dp_rows(plan_3d.CLUSTERS)}
+    rows = {(r["gpu"], r["where"]): r for r in R.gpu_dp_rows(plan_cluster.CLUSTERS)}
     for key, published in R.PUBLISHED.items():
         assert rows[key]["book"] == pytest.approx(published, rel=0.10), key
     h100 = rows[("H100", "node")]

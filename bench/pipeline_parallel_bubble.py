@@ -8,8 +8,8 @@ backward, summed over the micro-batches alive at once: GPipe holds m of them, 1F
 most p-stage). Then, in one process, what the zero-bubble split costs: per micro-batch,
 B + W (the input's gradient, then the weights' from the W store) against one full backward.
 
-    python bench/pipeline_bubble.py                          # p = 2 (m = 4), p = 4 (m = 8), 5 schedules
-    python bench/pipeline_bubble.py --at 2x4 2x16 --iters 8 --schedules 1f1b zb zbv --rounds 3
+    python bench/pipeline_parallel_bubble.py                          # p = 2 (m = 4), p = 4 (m = 8), 5 schedules
+    python bench/pipeline_parallel_bubble.py --at 2x4 2x16 --iters 8 --schedules 1f1b zb zbv --rounds 3
 
 ms/step is the best of --rounds rounds (each schedule run once a round, in turn), the
 median step of each run: on a shared machine the best round is the least disturbed.

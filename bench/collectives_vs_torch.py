@@ -1,10 +1,10 @@
 """
 collectives.py's hand-written collectives against torch.distributed's own, in one run.
 
-    torchrun --nproc_per_node=4 bench/collectives_bench.py
-    torchrun --nproc_per_node=4 bench/collectives_bench.py --sizes=16M,64M --segment_bytes=1M
-    torchrun --nproc_per_node=4 bench/collectives_bench.py --backend=gloo   # CPU ranks on a GPU machine
-    torchrun --nproc_per_node=2 bench/collectives_bench.py --quick          # about a minute on 2 CPU cores
+    torchrun --nproc_per_node=4 bench/collectives_vs_torch.py
+    torchrun --nproc_per_node=4 bench/collectives_vs_torch.py --sizes=16M,64M --segment_bytes=1M
+    torchrun --nproc_per_node=4 bench/collectives_vs_torch.py --backend=gloo   # CPU ranks on a GPU machine
+    torchrun --nproc_per_node=2 bench/collectives_vs_torch.py --quick          # about a minute on 2 CPU cores
 
 S is the whole buffer, as in nccl-tests. time: the median over --iters runs of the slowest
 rank (a collective takes as long as its slowest rank), the best of --rounds rounds (ours
@@ -132,7 +132,7 @@ def host_us(fn, iters, rounds, sync):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="collectives_bench.py",
+    p = argparse.ArgumentParser(prog="collectives_vs_torch.py",
                                 description="hand-written collectives against torch.distributed's own")
     p.add_argument("--sizes", type=_sizes, default="4,4K,295K,4M,64M")
     p.add_argument("--max_size", type=_size, default="64M")

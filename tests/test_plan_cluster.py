@@ -1,4 +1,4 @@
-"""bench/plan_3d.py, on paper: its formulas against the published ones (ZeRO's Table 1, Megatron's
+"""bench/plan_cluster.py, on paper: its formulas against the published ones (ZeRO's Table 1, Megatron's
 distributed-optimizer bytes, Korthikanti et al.'s activations, the schedules' bubbles, the ring's
 latency per step), --check against the published runs, --json as a script reads it, and bad input.
 Its traffic model is held to the bytes parallel_nd.py sends in tests/test_parallel_nd.py."""
@@ -14,7 +14,7 @@ import pytest
 from conftest import ROOT
 
 sys.path.insert(0, os.path.join(ROOT, "bench"))
-import plan_3d as P  # noqa: E402
+import plan_cluster as P  # noqa: E402
 
 
 def _run(argv):

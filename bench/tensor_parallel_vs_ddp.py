@@ -2,8 +2,8 @@
 Tensor parallel against data parallel on the same model and global batch: time per
 step, traffic and state per rank, at 2 and 4 ranks, each run launched with torchrun.
 
-    python bench/tp_vs_ddp.py                      # small preset, CPU ranks over gloo
-    python bench/tp_vs_ddp.py --ranks=2 --steps=5 --model=tiny
+    python bench/tensor_parallel_vs_ddp.py                      # small preset, CPU ranks over gloo
+    python bench/tensor_parallel_vs_ddp.py --ranks=2 --steps=5 --model=tiny
 
 What to expect. DDP sends about twice the gradient bytes per step whatever N is, and
 keeps the whole model, its gradients and Adam state on every rank (16 bytes per

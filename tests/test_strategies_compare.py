@@ -1,4 +1,4 @@
-"""bench/compare.py at its smallest: every strategy runs, ends on the baseline's loss, and
+"""bench/strategies_compare.py at its smallest: every strategy runs, ends on the baseline's loss, and
 sends exactly the bytes its formula says; the CSV holds the same table."""
 import csv
 import importlib.util
@@ -7,7 +7,7 @@ import os
 from harness import ROOT
 
 # loaded from its path: putting bench/ on sys.path would let its scripts shadow the strategy modules
-_spec = importlib.util.spec_from_file_location("compare", os.path.join(ROOT, "bench", "compare.py"))
+_spec = importlib.util.spec_from_file_location("compare", os.path.join(ROOT, "bench", "strategies_compare.py"))
 compare = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(compare)
 

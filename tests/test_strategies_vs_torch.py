@@ -1,4 +1,4 @@
-"""bench/vs_torch.py: ddp.py against PyTorch's DistributedDataParallel at 2 CPU ranks, the
+"""bench/strategies_vs_torch.py: ddp.py against PyTorch's DistributedDataParallel at 2 CPU ranks, the
 loss gap at every step within 1e-4; and the gap it reports is the one between the sides."""
 import os
 import re
@@ -12,7 +12,7 @@ sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 
 def test_gaps_and_table():
-    import vs_torch as V
+    import strategies_vs_torch as V
     assert V.gaps([5.0, 4.0], [5.0, 4.1]) == pytest.approx([0.0, 0.1])
     assert V.gaps([5.0, 4.0], [5.0]) == [float("inf")]  # a missing step is no match
     row = dict(pair="ddp", gaps=[0.0, 3e-4, 1e-5], ours_ms=10.0, theirs_ms=8.0)
@@ -20,7 +20,7 @@ def test_gaps_and_table():
 
 
 def test_ddp_against_torch_ddp_at_2_ranks():  # not in the quick tier: it checks the bench, not a strategy
-    r = python("bench/vs_torch.py", ["--world=2", "--pairs=ddp", "--iters=4", "--repeats=1"], timeout=240)
+    r = python("bench/strategies_vs_torch.py", ["--world=2", "--pairs=ddp", "--iters=4", "--repeats=1"], timeout=240)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     line = re.search(r"^ddp +gap at each step: (.*)$", r.stdout, re.M)
     assert line, r.stdout

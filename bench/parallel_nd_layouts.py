@@ -3,9 +3,9 @@ Every layout of 8 ranks over the dense axes (pp, dp_replicate, dp_shard, cp, tp:
 measured: ms/step, the bytes each axis sends per rank, and the state (parameters, gradients,
 Adam) each rank holds, on one model and batch.
 
-    python bench/parallel_nd_bench.py                      # 8 CPU ranks over gloo, several minutes on 2 cores
-    python bench/parallel_nd_bench.py --iters 4 --zero_stage 2 --layout contiguous
-    python bench/parallel_nd_bench.py --shard_overlap      # dp_shard's exposed communication, sync vs overlapped
+    python bench/parallel_nd_layouts.py                      # 8 CPU ranks over gloo, several minutes on 2 cores
+    python bench/parallel_nd_layouts.py --iters 4 --zero_stage 2 --layout contiguous
+    python bench/parallel_nd_layouts.py --shard_overlap      # dp_shard's exposed communication, sync vs overlapped
 
 --shard_overlap: dp_shard 2 x tp 2 and pp 2 x dp_shard 2 on 4 ranks, each with --overlap=False
 (every all-gather waited for where it is issued, every reduce-scatter after the last backward)
@@ -17,7 +17,7 @@ ms/step, and whether the two runs' losses are the same.
 All layouts run in one start of 8 processes (tests/harness.spawn), one after the other,
 on a synthetic 192-token vocabulary (the tests' data: with GPT-2's 50k vocabulary the
 embedding would dwarf this small model). "= formula" says whether the bytes every axis
-sent equal parallel_nd.axis_bytes, the traffic model bench/plan_3d.py plans with, and
+sent equal parallel_nd.axis_bytes, the traffic model bench/plan_cluster.py plans with, and
 the state parallel_nd.state_per_rank. --n_micro defaults to parallel_nd's (2·pp with a
 pipeline). On 8 processes sharing 2 cores the times measure Python's and gloo's
 per-message cost more than bandwidth: tensor and context parallelism, with collectives

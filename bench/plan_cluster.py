@@ -4,10 +4,10 @@ the best of its options (ZeRO stage, recompute mode, pipeline schedule, micro-ba
 memory per GPU and its step time predicted from first principles; what does not fit is
 marked, the rest ranked. --check holds the model to published runs (bench/published_runs.json).
 
-    python bench/plan_3d.py --model gpt2-xl --gpus 64
-    python bench/plan_3d.py --n_layer 80 --n_embd 8192 --n_head 64 --seq 4096 --gpus 1024 --batch 1024
-    python bench/plan_3d.py --cluster A100 --precision megatron --zero 1 --recompute selective --json
-    python bench/plan_3d.py --check
+    python bench/plan_cluster.py --model gpt2-xl --gpus 64
+    python bench/plan_cluster.py --n_layer 80 --n_embd 8192 --n_head 64 --seq 4096 --gpus 1024 --batch 1024
+    python bench/plan_cluster.py --cluster A100 --precision megatron --zero 1 --recompute selective --json
+    python bench/plan_cluster.py --check
 
 The model:
   state    bytes a parameter (STATE): this code's float32 Adam (DDP 16; ZeRO-1 8 + 8/N; ZeRO-2 4 + 12/N;
@@ -100,7 +100,7 @@ GRAD_BYTES = dict(fp32=4, megatron=4, zero=2)    # what the gradient reduction s
 SCHEDULES = ("1f1b", "interleaved", "zb", "gpipe")
 RECOMPUTE = ("none", "selective", "full")
 # the one fitted knob: the fraction of the dense peak compute reaches, fitted by --check on Narayanan et al.
-# 2021's Table 1 (fit_eff; tests/test_plan_3d.py holds this constant to the fit)
+# 2021's Table 1 (fit_eff; tests/test_plan_cluster.py holds this constant to the fit)
 EFF = 0.613
 CODE_BUCKET = 25 << 20  # bytes: this code's DDP buckets (Megatron's are counted in elements, run["bucket_elems"])
 

@@ -2,8 +2,8 @@
 Single-device training speed of model.py: tokens/s and MFU of the one-process
 ddp.py run (the whole training step: forward, backward, clipping, fused AdamW).
 
-    python bench/speed.py                    # GPU: gpt2 (124M), 16 x 1024, bf16, compiled
-    python bench/speed.py --model=small      # any ddp.py flag can follow and overrides these
+    python bench/model_speed.py                    # GPU: gpt2 (124M), 16 x 1024, bf16, compiled
+    python bench/model_speed.py --model=small      # any ddp.py flag can follow and overrides these
 
 The figures are this run's alone. What they are worth is judged against a plain
 training loop of the same model measured in the same run: bench/gpu_check.py's speed

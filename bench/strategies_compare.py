@@ -4,8 +4,8 @@ baseline, DDP, FSDP, tensor parallel, both pipeline schedules and context parall
 world size; with --moe also the mixture-of-experts model, trained by one process, by DDP
 (every expert replicated) and by expert parallelism. One table of what each costs.
 
-    python bench/compare.py                         # tiny preset, 2 ranks, 20 steps
-    python bench/compare.py --world 4 --moe --csv out.csv --png out.png
+    python bench/strategies_compare.py                         # tiny preset, 2 ranks, 20 steps
+    python bench/strategies_compare.py --world 4 --moe --csv out.csv --png out.png
 
 Every strategy must end on its baseline's loss (float32, so to about 1e-5), start from
 its baseline's gradient norm (the "Δ norm" column, relative, at step 0 where the weights

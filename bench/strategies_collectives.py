@@ -4,8 +4,8 @@ torch.distributed's own (--collectives=torch), in one run: for every strategy th
 alternate (hand, torch, hand, ...), --repeats times each, and the table gives the median
 step of each side's best run (the first steps, warm-up, left out) and their ratio.
 
-    torchrun --nproc_per_node=2 bench/collectives_steps.py
-    torchrun --nproc_per_node=2 bench/collectives_steps.py --iters=20 --repeats=3 --only=ddp,tensor_parallel
+    torchrun --nproc_per_node=2 bench/strategies_collectives.py
+    torchrun --nproc_per_node=2 bench/strategies_collectives.py --iters=20 --repeats=3 --only=ddp,tensor_parallel
 
 The model is the tests' tiny preset on their synthetic data (a Markov chain over 192
 tokens), float32; both sides must log the same losses and bytes (the check prints a
@@ -28,7 +28,7 @@ RUNS = [("ddp", []), ("fsdp", []), ("tensor_parallel", ["--sequence_parallel=Tru
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="collectives_steps.py", description=__doc__.strip().splitlines()[0])
+    p = argparse.ArgumentParser(prog="strategies_collectives.py", description=__doc__.strip().splitlines()[0])
     p.add_argument("--iters", type=int, default=12)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--only", default=",".join(name for name, _ in RUNS))

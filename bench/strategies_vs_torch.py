@@ -5,9 +5,9 @@ model.get_lr, clipping at the global norm) and precision, in one run: for each p
 two sides alternate (ours, PyTorch's, ours, ...), and it prints the loss gap at every
 step and the ms/step ratio.
 
-    python bench/vs_torch.py --world=2                      # 2 CPU ranks over gloo (2 GPUs over NCCL)
-    python bench/vs_torch.py --world=2 --pairs=ddp,fsdp --iters=20 --repeats=3
-    torchrun --nproc_per_node=2 bench/vs_torch.py --data_dir=data/shakespeare --model=small
+    python bench/strategies_vs_torch.py --world=2                      # 2 CPU ranks over gloo (2 GPUs over NCCL)
+    python bench/strategies_vs_torch.py --world=2 --pairs=ddp,fsdp --iters=20 --repeats=3
+    torchrun --nproc_per_node=2 bench/strategies_vs_torch.py --data_dir=data/shakespeare --model=small
 
   pair      ours                                PyTorch's
   ddp       ddp.py (--mode=overlap)             torch.nn.parallel.DistributedDataParallel
@@ -370,7 +370,7 @@ def launch(args, rest):
     try:
         return subprocess.run(cmd, env=env, timeout=args.timeout_s).returncode
     except subprocess.TimeoutExpired:
-        print(f"error: vs_torch did not finish in {args.timeout_s}s", file=sys.stderr)
+        print(f"error: strategies_vs_torch did not finish in {args.timeout_s}s", file=sys.stderr)
         return 1
 
 
@@ -402,12 +402,12 @@ def main():
         rows.append(compare(name, argv, args.repeats))
     if dist.get_rank() == 0:
         world = dist.get_world_size()
-        print(f"vs_torch: {world} ranks over {dist.get_backend()}, torch {torch.__version__}, {' '.join(argv)}")
+        print(f"strategies_vs_torch: {world} ranks over {dist.get_backend()}, torch {torch.__version__}, {' '.join(argv)}")
         for r in rows:
             print(f"{r['pair']:<8} gap at each step: " + " ".join(f"{g:.1e}" for g in r["gaps"]))
         print(table(rows, world, args.tol))
         bad = [r["pair"] for r in rows if max(r["gaps"]) > args.tol]
-        print(f"vs_torch: {'every pair within' if not bad else 'beyond'} {args.tol} at every step"
+        print(f"strategies_vs_torch: {'every pair within' if not bad else 'beyond'} {args.tol} at every step"
               + (f": {', '.join(bad)}" if bad else ""))
     bad = dist.get_rank() == 0 and bool(bad)
     dist.barrier()
