@@ -879,7 +879,7 @@ def traffic_per_rank(config, cfg, world):
     So a step sends the same bytes under both."""
     if world == 1:
         return 0
-    vee = cfg.schedule == "zbv"  # its chunks p-1 and p share a rank, and so do both ends of the tie
+    vee = getattr(cfg, "schedule", "1f1b") == "zbv"  # its chunks p-1 and p share a rank, and so do both ends of the tie
     crossings = world * virtual_stages(cfg) - 1 - vee
     act = 2 * crossings * cfg.batch_size * config.block_size * config.n_embd * BOUNDARY_DTYPE.itemsize
     tie = 0 if vee else 2 * config.vocab_size * config.n_embd * 4

@@ -377,7 +377,7 @@ def _zb_and_1f1b(rank, world, train_args):
     for axis in ("--tp=2", "--cp=2"):
         for schedule in ("1f1b", "zb"):
             with contextlib.redirect_stdout(io.StringIO()):
-                records = P.main(train_args + ["--pp=2", axis, "--dp=1", f"--schedule={schedule}", "--n_micro=4",
+                records = P.main(train_args + ["--pp=2", axis, "--dp_replicate=1", f"--schedule={schedule}", "--n_micro=4",
                                                "--max_iters=2", "--eval_interval=0"])
             out[axis, schedule] = [(r["loss"], r["comm_bytes"]) for r in records]
     return out
