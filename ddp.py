@@ -35,13 +35,6 @@ import model as M
 DEFAULTS = dict(M.TRAIN_DEFAULTS, mode="overlap", bucket_mb=25.0, grad_accum=1)
 
 
-def traffic_per_rank(config, cfg, world):
-    """Bytes a rank sends per optimizer step: one ring all-reduce of every gradient,
-    2(N-1)/N of the gradient bytes (on average over ranks when chunks are uneven),
-    whatever --grad_accum is, since the micro-steps before the last don't communicate."""
-    return 2 * (world - 1) / world * 4 * M.param_count(config)
-
-
 def all_reduce_each(params, group=None):
     """Naive DDP, the whole algorithm: after backward, average each gradient over the
     ranks, one message per parameter (148 for the tiny preset). A frozen parameter is
@@ -272,6 +265,13 @@ def main(argv=None):
         M.end_iter(run, loss=loss.item(), grad_norm=norm, state_bytes=state, act_bytes=act,
                    exposed_comm_ms=1000 * M.elapsed(t_comm, exposed), **M.moe_log(run, model))
     return M.finish(run)
+
+
+def traffic_per_rank(config, cfg, world):
+    """Bytes a rank sends per optimizer step: one ring all-reduce of every gradient,
+    2(N-1)/N of the gradient bytes (on average over ranks when chunks are uneven),
+    whatever --grad_accum is, since the micro-steps before the last don't communicate."""
+    return 2 * (world - 1) / world * 4 * M.param_count(config)
 
 
 if __name__ == "__main__":
