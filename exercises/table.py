@@ -76,13 +76,15 @@ EXERCISES = [
         "ddp_buckets", "ddp.py", ["GradBuckets._ready", "GradBuckets.reduce"],
         "DDP's buckets: launch each bucket's all-reduce from backward's hooks, in the same order on every rank",
         30,
-        "_ready(p) runs once p's gradient is complete (in self.buffers[self.bucket_of[p]]). Do nothing if not "
-        "self.sync (a micro-step of gradient accumulation before the last: the sum is sent once). Count p in "
-        "self.ready; then launch every bucket that is full, strictly in bucket order "
-        "(self.launched is the next to launch): C.all_reduce(buffer, op='avg', group=self.group, async_op=True), "
-        "keeping the handle in self.handles. Every rank must issue its all-reduces in the same order, or the "
-        "messages of two buckets meet. reduce(): overlap: every bucket was launched; wait for the handles (and "
-        "empty the list); otherwise all-reduce each buffer now, with op='avg'.",
+        "_ready(p) runs once p's gradient is complete. First self.claim(p) (its gradient into its bucket view, "
+        "whatever the caller did to .grad). Do nothing more if not self.sync (a micro-step of gradient accumulation "
+        "before the last: the sum is sent once). Count p in self.ready[self.bucket_of[p]]; then launch every bucket "
+        "that is full, strictly in bucket order (self.launched is the next; self.launch() sends it: "
+        "C.all_reduce(buffer, op='avg', group=self.group, async_op=True)). Every rank must issue its all-reduces in "
+        "the same order, or the messages of two buckets meet. reduce(): overlap: launch, in order, the buckets the "
+        "hooks did not (claim their members first: a parameter unused this step never fired), wait for every "
+        "handle, then reset self.handles, self.ready and self.launched; bucketed: claim each bucket's members and "
+        "all-reduce its buffer now, op='avg'.",
         [("train", "ddp", ["--mode=overlap", "--bucket_mb=0.25", "--grad_accum=2"]),
          ("train", "ddp", ["--mode=bucketed", "--bucket_mb=0.25"])],
         (2, 3)),
@@ -174,6 +176,17 @@ EXERCISES = [
         "logaddexp(lse, l); out = out * e^(lse - new) + o * e^(l - new); lse = new. Write into out and lse "
         "(they are views into the whole sequence's result): mul_, add_, copy_.",
         [("merge",), ("train", "context_parallel", ["--layout=zigzag"])], (2,)),
+    Exercise(
+        "ulysses_exchange", "context_parallel.py", ["seq_to_heads", "heads_to_seq"],
+        "Ulysses: one all-to-all turns my positions of every head into every position of my heads, one turns it back",
+        25,
+        "seq_to_heads: cut x's heads (dim -3) into ring.n groups and stack them (group j goes to rank j); "
+        "C.all_to_all(recv, send, group=ring.group); part i of recv is rank i's positions of my heads: concatenate "
+        "the parts along the positions (dim -2), then put the positions in order (index them by "
+        "torch.argsort(order)). heads_to_seq, the inverse: take y's positions in the ranks' order (y[..., order, :]), "
+        "cut them into ring.n parts (part i: rank i's positions), all-to-all, and concatenate what arrives along the "
+        "heads (dim -3). Bytes: (N-1)/N of each tensor, each way.",
+        [("train", "context_parallel", ["--method=ulysses", "--layout=zigzag"])], (2,)),
 ]
 
 BY_NAME = {e.name: e for e in EXERCISES}

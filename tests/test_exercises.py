@@ -90,7 +90,8 @@ def refs(data_dir, reference_short):
 # one exercise per family whose checks run the family's code; the collectives all, at 2 and 3
 PROJECT = [("tree_broadcast", None), ("ring_reduce_scatter", None), ("ring_all_gather", None),
            ("pairwise_all_to_all", None), ("ddp_buckets", (2,)), ("fsdp_unit", (2,)), ("tp_column_row", (2,)),
-           ("pp_1f1b", (2,)), ("moe_dispatch_combine", (2,)), ("ring_attention_merge", (2,))]
+           ("pp_1f1b", (2,)), ("moe_dispatch_combine", (2,)), ("ring_attention_merge", (2,)),
+           ("ulysses_exchange", (2,))]
 
 
 def test_project_code_passes(refs):
@@ -234,3 +235,16 @@ lse.copy_(new)
 """})
         (ok, line), = G.check_merge(folder)
         assert not ok and "differ from attention over all the keys" in line, line
+
+
+def test_ulysses_without_the_reorder_fails(refs, tmp_path):
+    """Ulysses' exchange that concatenates what arrives in the ranks' order and forgets that the
+    zigzag layout's positions are not contiguous: attention runs on a shuffled sequence, so its
+    causal mask is wrong and the loss departs at the first step."""
+    real = _real("ulysses_exchange", "seq_to_heads")
+    assert "[..., torch.argsort(order), :]" in real
+    folder = _solve(tmp_path / "unordered", "ulysses_exchange", {
+        "seq_to_heads": real.replace("[..., torch.argsort(order), :]", ""),
+        "heads_to_seq": _real("ulysses_exchange", "heads_to_seq").replace("[..., order, :]", "")})
+    ok, line = G.check_train(folder, "context_parallel", BY_NAME["ulysses_exchange"].checks[0][2], (2,), refs)[0]
+    assert not ok and "loss: first differs at step 0" in line, line
