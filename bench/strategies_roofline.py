@@ -521,7 +521,7 @@ def main(argv=None):
                       cp=cp_threshold(config, args.world, best, alpha / 2, beta, 1, "float32"))
         for name, quantity in (("tp", "width per rank"), ("pp", "micro-batches"), ("cp", "sequence/rank")):
             x = others[name]
-            print(f"{name:>8} {quantity:>15} {'> ' + format(x, ',') if x != math.inf else 'never':>10} "
+            print(f"{name:>8} {quantity:>15} {'>= ' + format(x, ',') if x != math.inf else 'never':>10} "
                   f"{'not swept':>9} {'-':>6}")
         print(f"(tp: --model={args.model} has n_embd {config.n_embd}, {config.n_embd // args.world} a rank; "
               f"pp: micro-batches of 1 sequence; cp: 1 sequence, float32)")
