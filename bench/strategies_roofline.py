@@ -27,6 +27,10 @@ fsdp.py (ZeRO-3) the same way, unless --no-fsdp: predicted from the same F, α, 
 fsdp.traffic_per_rank() against forward and backward, found with --prefetch=0 from its
 trace (its collectives' time against the rest of the step).
 
+Tensor parallel (width a rank), the pipeline (micro-batches) and context parallel (sequence a
+rank) are predicted from the same F, α, β and their files' traffic_per_rank (and the
+pipeline's bubble), not swept: tp_threshold, pp_threshold, cp_threshold.
+
 The GPU rows apply the same threshold to data-sheet figures (plan_cluster.CLUSTERS) under the
 scaling book's assumptions (bf16 gradients, α = 0, many ranks: x* = C/W) and under this
 code's (float32 gradients, 2(N-1)/N).
