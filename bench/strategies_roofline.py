@@ -27,6 +27,10 @@ fsdp.py (ZeRO-3) the same way, unless --no-fsdp: predicted from the same F, α, 
 fsdp.traffic_per_rank() against forward and backward, found with --prefetch=0 from its
 trace (its collectives' time against the rest of the step).
 
+Tensor parallel (width a rank), the pipeline (micro-batches) and context parallel (sequence a
+rank) are predicted from the same F, α, β and their files' traffic_per_rank (and the
+pipeline's bubble), not swept: tp_threshold, pp_threshold, cp_threshold.
+
 The GPU rows apply the same threshold to data-sheet figures (plan_cluster.CLUSTERS) under the
 scaling book's assumptions (bf16 gradients, α = 0, many ranks: x* = C/W) and under this
 code's (float32 gradients, 2(N-1)/N).
@@ -103,6 +107,99 @@ def crossing(xs, comm, compute):
     if found > 2 * xs[-1]:
         return float(xs[-1]), "above"
     return float(found), "found"
+
+
+# ------------------------------------------------------- tensor parallel, the pipeline, context parallel
+# Each threshold puts a strategy's own traffic_per_rank (and the pipeline's bubble) against its
+# compute at one rate F, with t = calls·α + bytes/β; predictions only (see docs/planning.md).
+def solve(gap, lo, hi):
+    """The smallest integer x in [lo, hi] with gap(x) = communication - compute < 0, found by
+    bisection (gap falls as x grows) -> x, or math.inf when communication wins even at hi."""
+    if gap(hi) >= 0:
+        return math.inf
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (mid + 1, hi) if gap(mid) >= 0 else (lo, mid)
+    return lo
+
+
+def tp_threshold(config, n, rate, alpha, beta, tokens, dtype="bfloat16"):
+    """Hidden width per rank (n_embd/N) above which tensor_parallel.py's step is compute-bound:
+    its all-reduces (4 a layer of b·s·h, the head's, the embedding's, the loss's 3, the norm's)
+    against the model's FLOPs split N ways. Both grow with b·s, so the batch matters only
+    through α; the width decides: compute ~ h², the bytes ~ h."""
+    import dataclasses
+    import tensor_parallel
+    cfg = argparse.Namespace(dtype=dtype, batch_size=1, sequence_parallel=False, recompute="none")
+    calls = 4 * config.n_layer + 6
+
+    def gap(width):
+        c = dataclasses.replace(config, n_embd=width * n, n_head=1, block_size=tokens)
+        comm = calls * alpha + tensor_parallel.traffic_per_rank(c, cfg, n) / beta
+        return comm - M.flops_per_token(c) * tokens / (n * rate)
+    return solve(gap, 1, 1 << 20)
+
+
+def pp_threshold(config, p, rate, alpha, beta, rows, schedule="1f1b"):
+    """Micro-batches (of `rows` sequences each) from which pipeline_parallel.py's step is
+    compute-bound: step = (compute + messages)/(1 - bubble), with the messages its
+    traffic_per_rank (the boundaries' activations and gradients, 2 sends a micro-batch, the
+    tied matrix's gradient) on the critical path; communication-bound while the idle share
+    (bubble and messages) outlasts the compute. No message: m > p-1 for 1f1b."""
+    import pipeline_parallel
+    s = config.block_size
+
+    def gap(m):
+        cfg = argparse.Namespace(batch_size=m * rows, schedule=schedule, grad_clip=1.0, virtual_stages=1)
+        compute = M.flops_per_token(config) * m * rows * s / (p * rate)
+        comm = 2 * m * alpha + pipeline_parallel.traffic_per_rank(config, cfg, p) / beta
+        return (compute + comm) / (1 - pipeline_parallel.bubble(schedule, p, m)) - 2 * compute
+    return solve(gap, 1, 1 << 16)
+
+
+def cp_threshold(config, n, rate, alpha, beta, rows, dtype="bfloat16"):
+    """Sequence per rank (s/N) above which context_parallel.py's ring hides behind attention:
+    its K/V hops (traffic_per_rank less the gradients' all-reduce, 3 messages a layer a hop:
+    K/V forward, again backward, dK/dV) against the blocks they overlap, 4·b·c²·h FLOPs
+    forward, 3x that with backward, half of it skipped by the causal mask. Compute ~ c², a
+    hop's bytes ~ c."""
+    import dataclasses
+    import context_parallel
+    cfg = argparse.Namespace(batch_size=rows, dtype=dtype, method="ring", recompute="none")
+    L, h = config.n_layer, config.n_embd
+
+    def gap(c):
+        cc = dataclasses.replace(config, block_size=c * n)
+        ring = context_parallel.traffic_per_rank(cc, cfg, n) - 2 * (n - 1) / n * 4 * M.param_count(cc)
+        comm = 3 * L * (n - 1) * alpha + ring / beta
+        return comm - L * (n - 1) * 6 * rows * c * c * h / rate
+    return solve(gap, 1, 1 << 24)
+
+
+# A large model for the GPU rows: LLaMA-3-70B's width and depth, GPT-2's block (MLP 4h)
+BIG = dict(n_layer=80, n_head=64, n_embd=8192, block_size=4096, vocab_size=128256)
+# the scaling book: tensor parallelism inside an H100 node stays compute-bound to about 8-way
+PUBLISHED_TP = {("H100", "node"): 8}
+
+
+def gpu_other_rows(clusters, n=8):
+    """tp, pp and cp thresholds on data-sheet hardware for BIG in bf16, N = n ranks inside a
+    node (NVLink, NCCL's latencies) or one a node across n nodes (a GPU's NIC). tp also as the
+    most ranks BIG's width allows (width/rank >= the threshold)."""
+    import plan_cluster as P
+    config = M.GPTConfig(**BIG)
+    rows = []
+    for gpu, cl in clusters.items():
+        for where, bw, hop in (("node", cl["nvlink_bw"], P.LAT_NVLINK), ("across", cl["ib_bw"], P.LAT_IB)):
+            ar, p2p = P.LAT_CALL + 2 * (n - 1) * hop, P.LAT_CALL + hop  # an all-reduce's α, a send's
+            tp = tp_threshold(config, n, cl["peak"], ar, bw, config.block_size)
+            rows.append(dict(gpu=gpu, where=where, n=n, tp_width=tp,
+                             tp_max=max(k for k in range(1, 1025) if config.n_embd / k >= tp_threshold(
+                                 config, k, cl["peak"], ar, bw, config.block_size)) if n > 1 else 1,
+                             pp_micro=pp_threshold(config, n, cl["peak"], p2p, bw, 1),
+                             cp_seq=cp_threshold(config, n, cl["peak"], p2p, bw, 1),
+                             tp_published=PUBLISHED_TP.get((gpu, where))))
+    return rows
 
 
 # ---------------------------------------------------------------------------------- measuring
@@ -336,6 +433,18 @@ def print_gpu(rows):
               f"{pub:>10} {err:>6} {r['code']:>20,.0f}")
 
 
+def print_gpu_other(rows):
+    c = M.GPTConfig(**BIG)
+    print(f"\nTensor parallel, the pipeline, context parallel on GPUs: compute-bound above (bf16, peak C, "
+          f"{c.n_layer} layers of h={c.n_embd}, s={c.block_size}; 8 ranks in a node, or 1 a node across 8)")
+    print(f"{'GPU':>5} {'link':>7} {'tp width/rank':>14} {'tp ranks at h':>14} {'book':>5} "
+          f"{'pp micro-batches':>17} {'cp seq/rank':>12}")
+    for r in rows:
+        fmt = lambda x: "never" if x == math.inf else f"{x:,}"  # noqa: E731
+        print(f"{r['gpu']:>5} {r['where']:>7} {fmt(r['tp_width']):>14} {r['tp_max']:>14} {r['tp_published'] or '-':>5} "
+              f"{fmt(r['pp_micro']):>17} {fmt(r['cp_seq']):>12}")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="tiny")
@@ -408,15 +517,31 @@ def main(argv=None):
             fs_ratio = fs_found / fs_pred if fs_how == fs_found_how == "found" else None
         print(f"{'fsdp':>8} {'tokens per rank':>15} {shown(fs_pred, fs_how):>10} "
               f"{shown(fs_found, fs_found_how) if args.fsdp else 'not swept':>9} {f'{fs_ratio:.2f}' if fs_ratio else '-':>6}")
+        # tp, pp, cp: predicted only (no sweep; docs/planning.md says why), at the best rate measured
+        # (the largest x's matmuls), α an all-reduce's, half of it a send's (2 ring steps at 2 ranks)
+        best = max(f for _, f in rates)
+        others = dict(tp=tp_threshold(config, args.world, best, alpha, beta, args.block * max(args.rows), "float32"),
+                      pp=pp_threshold(config, args.world, best, alpha / 2, beta, 1),
+                      cp=cp_threshold(config, args.world, best, alpha / 2, beta, 1, "float32"))
+        for name, quantity in (("tp", "width per rank"), ("pp", "micro-batches"), ("cp", "sequence/rank")):
+            x = others[name]
+            print(f"{name:>8} {quantity:>15} {'>= ' + format(x, ',') if x != math.inf else 'never':>10} "
+                  f"{'not swept':>9} {'-':>6}")
+        print(f"(tp: --model={args.model} has n_embd {config.n_embd}, {config.n_embd // args.world} a rank; "
+              f"pp: micro-batches of 1 sequence; cp: 1 sequence, float32)")
         result.update(model=args.model, block=args.block, world=args.world, params=M.param_count(config),
                       flops_per_token=fpt, compute=rates, link=link, alpha_s=alpha, beta_Bps=beta, seconds=took,
                       ddp=dict(traffic=traffic, buckets=buckets, comm_s=comm, predicted=predicted,
                                predicted_how=predicted_how, measured=found, measured_how=how, sweep=sweep),
                       fsdp=dict(traffic=fs_traffic, comm_s=fs_comm, predicted=fs_pred, predicted_how=fs_how,
-                                measured=fs_found, measured_how=fs_found_how))
+                                measured=fs_found, measured_how=fs_found_how),
+                      predicted_only={k: (None if v == math.inf else v) for k, v in others.items()})
         if args.svg:
             picture(args.svg, sweep, predicted if predicted_how == "found" else None, found if how == "found" else None)
     print_gpu(gpu)
+    other = gpu_other_rows(plan_cluster.CLUSTERS)
+    result["gpu_other"] = [{k: (None if v == math.inf else v) for k, v in r.items()} for r in other]
+    print_gpu_other(other)
     if args.json:
         json.dump(result, open(args.json, "w"), indent=1)
 

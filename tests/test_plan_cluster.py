@@ -86,7 +86,10 @@ def test_check_reproduces_the_published_tables():
     with contextlib.redirect_stdout(out):
         summary, zero_worst = P.check()
     text = out.getvalue()
-    got = {name: (n, exact, within, med) for name, n, exact, within, med in summary}
+    got = {name: (n, exact, within, med) for name, n, exact, within, med, _ in summary}
+    # the planner choosing interleaving and micro-batch itself, for the published layouts: as close
+    free = {name: med for name, *_, med in summary}
+    assert free["mcore_h100"] < 0.16 and free["narayanan2021"] < 0.10, free
     assert set(got) == {"narayanan2021", "korthikanti2022", "mcore_h100"}
     assert got["mcore_h100"][1] >= 8 and got["mcore_h100"][2] >= 8  # published layout first, of 9
     assert got["korthikanti2022"][1] >= 3

@@ -52,3 +52,48 @@ def test_crossing_finder():
     noisy[0] *= 3
     found, how = R.crossing(xs, [95.0] * 6, noisy)
     assert how == "found" and 100 < found < 200
+
+
+def test_tp_bound_on_h100_is_the_books_order_of_magnitude():
+    rows = {(r["gpu"], r["where"]): r for r in R.gpu_other_rows(plan_cluster.CLUSTERS)}
+    h100 = rows[("H100", "node")]
+    # the book: about 8-way inside an H100 node; this code counts every matmul, the book the MLP's
+    assert h100["tp_published"] == 8 and 4 <= h100["tp_max"] <= 32
+    assert rows[("H100", "across")]["tp_max"] < h100["tp_max"]  # the network: far less width to spare
+    assert rows[("B200", "node")]["tp_width"] > h100["tp_width"]  # compute grew 2.3x, NVLink 2x
+
+
+def test_tp_threshold_is_the_layers_matmuls_against_its_four_all_reduces():
+    # deep and wide enough that the head and attention fade: 72·b·s·h²/N FLOPs a layer against
+    # 4 all-reduces of b·s·h·d, 2(N-1)/N each -> h/N = (N-1)/N · d·F/(9β)
+    config = R.M.GPTConfig(n_layer=400, n_embd=64, block_size=8, vocab_size=64)
+    for n, d, dtype in ((2, 4, "float32"), (8, 2, "bfloat16")):
+        F, beta = 1e12, 1e10
+        w = R.tp_threshold(config, n, F, 0.0, beta, 8, dtype)
+        assert w == pytest.approx((n - 1) / n * d * F / (9 * beta), rel=0.05)
+        # latency only raises it
+        assert R.tp_threshold(config, n, F, 1e-4, beta, 8, dtype) > w
+
+
+def test_pp_threshold_is_the_bubble_without_messages_and_more_with_them():
+    config = R.M.GPTConfig(n_layer=8, n_embd=64, block_size=32, vocab_size=64)
+    for p in (2, 4, 8):  # 1f1b idles (p-1)/(m+p-1): as long as compute until m > p-1
+        assert R.pp_threshold(config, p, 1e9, 0.0, math.inf, 1) == p
+    assert R.pp_threshold(config, 4, 1e9, 5e-3, 1e8, 1) > 4  # 2 sends a 20 ms micro-batch
+    assert R.pp_threshold(config, 4, 1e9, 1.0, 1e8, 1) == math.inf  # a send outlasts a micro-batch
+
+
+def test_cp_threshold_is_a_hops_bytes_against_its_blocks_attention():
+    # bf16 K and V forward and again backward, dK and dV in float32: 2·c·h·(2a+4) bytes a hop
+    # against 6·c²·h FLOPs (causal half of 4·c²·h forward, 3x with backward) -> c = (2a+4)·F/(3β)
+    config = R.M.GPTConfig(n_layer=4, n_embd=64, block_size=32, vocab_size=64)
+    F, beta = 1e12, 1e11
+    assert R.cp_threshold(config, 4, F, 0.0, beta, 1) == pytest.approx(8 * F / (3 * beta), abs=1)
+    assert R.cp_threshold(config, 4, F, 0.0, beta, 1, "float32") == pytest.approx(12 * F / (3 * beta), abs=1)
+    assert R.cp_threshold(config, 4, F, 1e-5, beta, 1) > R.cp_threshold(config, 4, F, 0.0, beta, 1)
+
+
+def test_solve_finds_the_first_compute_bound_x():
+    assert R.solve(lambda x: 100 - x, 1, 1000) == 101
+    assert R.solve(lambda x: -1, 1, 1000) == 1
+    assert R.solve(lambda x: 1, 1, 1000) == math.inf
