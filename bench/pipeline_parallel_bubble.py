@@ -62,16 +62,17 @@ def split_cost(args, m=4):
     import pipeline_parallel as PP
     torch.set_num_threads(1)  # as each rank of the runs above
     config = M.make_config(args.model, VOCAB, block_size=args.block_size)
-    stage = PP.Stage(config, 0, 1, seed=0)
     b = args.batch_size // m
     rows = torch.randint(0, VOCAB, (args.batch_size, args.block_size + 1), generator=torch.Generator().manual_seed(0))
     batch = lambda k: (rows[k * b:(k + 1) * b, :-1], rows[k * b:(k + 1) * b, 1:])  # noqa: E731
-    executors = {name: PP.Executor(stage, (b, args.block_size, config.n_embd), m) for name in ("1f1b", "zb")}
+    # a stage each: zb's executor swaps its stage's linears for DeferredLinear, which 1f1b's must not run
+    stages = {name: PP.Stage(config, 0, 1, seed=0) for name in ("1f1b", "zb")}
+    executors = {name: PP.Executor(stage, (b, args.block_size, config.n_embd), m) for name, stage in stages.items()}
     steps = {}  # (schedule, "F" | "B" | "W") -> [a step's median over its micro-batches], a round each
     for round_ in range(args.rounds + 1):  # round 0 warms up
         for name, executor in executors.items():
             stamps = []
-            stage.zero_grad(set_to_none=True)
+            stages[name].zero_grad(set_to_none=True)
             executor.run(PP.plan(name, 1, m, 0), batch, stamps=stamps)
             times = PP.action_times(stamps, torch.device("cpu"))
             for kind in "FBW":
