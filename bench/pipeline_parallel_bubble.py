@@ -10,6 +10,10 @@ B + W (the input's gradient, then the weights' from the W store) against one ful
 
     python bench/pipeline_parallel_bubble.py                          # p = 2 (m = 4), p = 4 (m = 8), 5 schedules
     python bench/pipeline_parallel_bubble.py --at 2x4 2x16 --iters 8 --schedules 1f1b zb zbv --rounds 3
+    python bench/pipeline_parallel_bubble.py --model wide --batch_size 16 --schedules 1f1b zb zbv
+
+--model wide (h = 512, 8 blocks) is the width where a CPU's backward is its matmuls, so
+where W's dW = dYᵀx is moved work rather than added work (at tiny's h = 96 it is not).
 
 ms/step is the best of --rounds rounds (each schedule run once a round, in turn), the
 median step of each run: on a shared machine the best round is the least disturbed.
