@@ -56,6 +56,8 @@ PRESETS = {
     "tiny": dict(n_layer=12, n_head=12, n_embd=96, block_size=64),
     # the CPU demo: small enough that two CPU processes show a falling loss in minutes
     "small": dict(n_layer=4, n_head=4, n_embd=128, block_size=128),
+    # the pipeline bench: wide enough that a CPU's backward is its matmuls (at tiny's h = 96 it is not)
+    "wide": dict(n_layer=8, n_head=8, n_embd=512, block_size=64),
     "gpt2": dict(n_layer=12, n_head=12, n_embd=768, block_size=1024),  # 124M
     "gpt2-medium": dict(n_layer=24, n_head=16, n_embd=1024, block_size=1024),  # 350M
     "gpt2-large": dict(n_layer=36, n_head=20, n_embd=1280, block_size=1024),  # 774M

@@ -10,6 +10,10 @@ B + W (the input's gradient, then the weights' from the W store) against one ful
 
     python bench/pipeline_parallel_bubble.py                          # p = 2 (m = 4), p = 4 (m = 8), 5 schedules
     python bench/pipeline_parallel_bubble.py --at 2x4 2x16 --iters 8 --schedules 1f1b zb zbv --rounds 3
+    python bench/pipeline_parallel_bubble.py --model wide --batch_size 16 --schedules 1f1b zb zbv
+
+--model wide (h = 512, 8 blocks) is the width where a CPU's backward is its matmuls, so
+where W's dW = dYᵀx is moved work rather than added work (at tiny's h = 96 it is not).
 
 ms/step is the best of --rounds rounds (each schedule run once a round, in turn), the
 median step of each run: on a shared machine the best round is the least disturbed.
@@ -62,16 +66,17 @@ def split_cost(args, m=4):
     import pipeline_parallel as PP
     torch.set_num_threads(1)  # as each rank of the runs above
     config = M.make_config(args.model, VOCAB, block_size=args.block_size)
-    stage = PP.Stage(config, 0, 1, seed=0)
     b = args.batch_size // m
     rows = torch.randint(0, VOCAB, (args.batch_size, args.block_size + 1), generator=torch.Generator().manual_seed(0))
     batch = lambda k: (rows[k * b:(k + 1) * b, :-1], rows[k * b:(k + 1) * b, 1:])  # noqa: E731
-    executors = {name: PP.Executor(stage, (b, args.block_size, config.n_embd), m) for name in ("1f1b", "zb")}
+    # a stage each: zb's executor swaps its stage's linears for DeferredLinear, which 1f1b's must not run
+    stages = {name: PP.Stage(config, 0, 1, seed=0) for name in ("1f1b", "zb")}
+    executors = {name: PP.Executor(stage, (b, args.block_size, config.n_embd), m) for name, stage in stages.items()}
     steps = {}  # (schedule, "F" | "B" | "W") -> [a step's median over its micro-batches], a round each
     for round_ in range(args.rounds + 1):  # round 0 warms up
         for name, executor in executors.items():
             stamps = []
-            stage.zero_grad(set_to_none=True)
+            stages[name].zero_grad(set_to_none=True)
             executor.run(PP.plan(name, 1, m, 0), batch, stamps=stamps)
             times = PP.action_times(stamps, torch.device("cpu"))
             for kind in "FBW":
