@@ -167,12 +167,15 @@ class Stage(nn.Module):
     this tp rank's slice of the tied matrix (lm_head.weight); one stage: the same one.
     pos: this cp rank's global positions (None: all of them); ring: its attention's ring;
     moe: MoE -> its layer on the mesh (MeshMoE), for --n_expert.
-    gather(unit): called before a unit ("ends", or a block's index) computes (ZeRO-3)."""
+    gather(unit): called before a unit ("ends", "head": the ends again, or a block's index)
+    computes (ZeRO-3); done(unit, x): after it, on its output x (ZeRO-3 with one micro-batch
+    frees it there, ShardComm.done)."""
 
     def __init__(self, config, stage, n_stages, seed, group, sp, n_virtual=1, pos=None, ring=None, moe=None,
                  cp_method="ring"):
         super().__init__()
-        self.config, self.group, self.sp, self.pos, self.gather = config, group, sp, pos, lambda unit: None
+        self.config, self.group, self.sp, self.pos = config, group, sp, pos
+        self.gather, self.done = lambda unit: None, lambda unit, x: x
         self.recompute = "none"  # --recompute: what each block keeps for backward (model.recompute_block)
         self.first, self.last = stage == 0, stage == n_stages - 1
         self.n_chunks = n_stages * n_virtual  # pipeline_parallel.Stage's chunks: r, r+p, ...
@@ -210,10 +213,15 @@ class Stage(nn.Module):
             x = TP.embed_forward(t["wte"], t["wpe"], x, g, sp, self.config.dropout, self.training)
         elif chunk == 0:  # a cp rank's positions: the GLOBAL ones, as context_parallel.forward
             x = F.dropout(t["wte"](x.t()) + t["wpe"](self.pos)[:, None], self.config.dropout, self.training)
+        if chunk == 0:
+            x = self.done("ends", x)
         for i in self.chunks[chunk]:
-            self.gather(i)  # once a step: the weights stay until the step's last backward, so a rerun finds them
-            x = M.recompute_block(partial(TP.block_forward, t["h"][str(i)]), x, self.recompute)
-        return TP.head_forward(t["ln_f"], self.head(), x, targets, g, sp) if chunk == self.n_chunks - 1 else x
+            self.gather(i)
+            x = self.done(i, M.recompute_block(partial(TP.block_forward, t["h"][str(i)]), x, self.recompute))
+        if chunk != self.n_chunks - 1:
+            return x
+        self.gather("head")
+        return TP.head_forward(t["ln_f"], self.head(), x, targets, g, sp)
 
     def units(self):
         """[(key, [(name, parameter)])]: the stage's ends (if any), then each block, a
@@ -355,14 +363,37 @@ class Executor(PP.Executor):
 
 
 def gather_once(u):
-    """ZeRO-3 on the mesh: a unit is gathered at its first use in a step and kept to the step's end."""
+    """A unit's full weights, unless it holds them already (a pipeline's ZeRO-3 keeps them to the step's end)."""
     if not u.full[0].untyped_storage().nbytes():
         u.gather()
 
 
+class Handoff(torch.autograd.Function):
+    """The activation between two units, unchanged; its gradient, on its way back, is where
+    the later unit's backward is over (it needs its weights no more) and the earlier one's
+    begins: ShardComm.handoff frees the one and gathers the other."""
+
+    @staticmethod
+    def forward(ctx, x, comm, j):
+        ctx.comm, ctx.j = comm, j
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.comm.handoff(ctx.j)
+        return grad, None, None
+
+
 class ShardComm:
-    """The dp_shard axis' messages in a step. ZeRO-3 gathers each unit at its first use in the
-    step (gather(key), the stage's hook) and keeps it to the step's end; every unit's gradient
+    """The dp_shard axis' messages in a step. ZeRO-3 gathers each unit just before it
+    computes (gather(key), the stage's hook). In a pipeline (reshard False) it keeps it to the
+    step's end (torchtitan's reshard_after_forward=False: every micro-batch's forward and
+    backward reuse one gather). With one micro-batch and no pipeline (reshard True) it frees
+    each unit after its forward (done(key, x), the stage's other hook) and gathers it again
+    before its backward (Handoff), as fsdp.py does: two all-gathers a step, and at most one
+    unit's full weights at once (two with overlap's prefetch). The ends are gathered twice
+    in forward (embedding, head) and not in backward: the head's backward runs first, and the
+    embedding's needs no weights. Every unit's gradient
     is reduce-scattered once a step (reduce_scatter). overlap (--overlap): the next unit's
     all-gather, in its chunk's order (an interleaved stage's next chunk runs after other work:
     its weights would only be held longer), is issued as one is taken, to travel while it
@@ -374,26 +405,49 @@ class ShardComm:
     the replicas). waits: (start, end) of each wait on the axis' messages in the step, read
     by exposed_ms() after it (an instrument: on a GPU, reading them waits for the device)."""
 
-    def __init__(self, keyed, overlap, early, order):
-        self.units, self.overlap, self.next = dict(keyed), overlap, {}
+    def __init__(self, keyed, overlap, early, order, reshard=False):
+        self.units, self.overlap, self.next, self.reshard = dict(keyed), overlap, {}, reshard
         for keys in order:  # per chunk, its units in the order they compute: prefetch stays inside a chunk
             for key, after in zip(keys, keys[1:]):
                 self.next.setdefault(key, after)
+        self.forward_order = order[0] + ["head"] if reshard else []  # one chunk: the ends, the blocks, the head
         self.sync, self.waits, self.gathering, self.reducing, self.seen = False, [], {}, {}, {}
         for u in early if overlap else []:
             for p in u.params:
                 p.register_post_accumulate_grad_hook(partial(self._accumulated, u))
 
     @torch.compiler.disable  # under --compile: messages and a clock, run as they are between the graphs
-    def gather(self, key):
-        u = self.units[key]
+    def gather(self, key, ahead="next"):  # ahead: the unit to prefetch (None: none), forward's next by default
+        u = self.unit(key)
         self._start(u)
         t0 = M.now(u.full[0].device)
         for h in self.gathering.pop(u, []):
             h.wait()
         self.waits.append((t0, M.now(u.full[0].device)))
-        if self.overlap and key in self.next:
-            self._start(self.units[self.next[key]])  # travels while u computes
+        ahead = self.next.get(key) if ahead == "next" else ahead
+        if self.overlap and ahead is not None:
+            self._start(self.unit(ahead))  # travels while u computes
+
+    def unit(self, key):
+        return self.units["ends" if key == "head" else key]
+
+    @torch.compiler.disable
+    def done(self, key, x):
+        """After unit `key`'s forward (reshard): its weights go; x carries the handoff back."""
+        if not self.reshard:
+            return x
+        self.unit(key).free()
+        return Handoff.apply(x, self, self.forward_order.index(key)) if torch.is_grad_enabled() else x
+
+    @torch.compiler.disable
+    def handoff(self, j):
+        """Backward reached the output of forward_order[j]: the unit after it is done (free),
+        forward_order[j] comes back (but the embedding, which needs no weights), and with
+        overlap the one before it is on its way."""
+        order = self.forward_order
+        self.unit(order[j + 1]).free()
+        if j > 0:
+            self.gather(order[j], ahead=order[j - 1] if j > 1 else None)
 
     def _start(self, u):
         if not u.full[0].untyped_storage().nbytes():
@@ -684,9 +738,13 @@ def build_data_parallel(run, cfg, mesh, me, groups, stage):
         early = [] if cfg.sequence_parallel else [u for u in dp.units if all(p is not tied for p in u.params)]
         order = [[k for k in ["ends"] * (c in (0, stage.n_chunks - 1)) + list(stage.chunks[c]) if k in dict(keyed)]
                  for c in stage.chunks]  # each chunk's units in the order its forward takes them
-        dp.comm = ShardComm(keyed, cfg.overlap, early, order)
+        after_forward = dp.zero == 3 and mesh.pp == 1 and cfg.n_micro == 1  # fsdp.py's: freed after forward
+        dp.live = FSDP.LiveUnits()  # an instrument: the most units gathered at once in a step
+        for u in dp.units:
+            u.live = dp.live
+        dp.comm = ShardComm(keyed, cfg.overlap, early, order, after_forward)
         if dp.zero == 3:
-            stage.gather = dp.comm.gather  # just in time, once a step
+            stage.gather, stage.done = dp.comm.gather, dp.comm.done  # just in time
         counted = counted_once(stage, groups["tp"])
         for u in dp.units:
             u.mine = u.pieces()  # [(name, piece of the shard, parameter, start, stop)]
@@ -715,7 +773,8 @@ def build_data_parallel(run, cfg, mesh, me, groups, stage):
 
 
 def free_units(dp):
-    """ZeRO-3 on the mesh: a unit's full weights live from its first use in a step to the step's end."""
+    """ZeRO-3 at the step's end: a pipeline's units, kept from their first use (with one
+    micro-batch and no pipeline they are freed already, ShardComm), and after validation."""
     if dp.zero == 3:
         for u in dp.units:
             u.free()
@@ -735,7 +794,7 @@ def train_step(dp, stage, executor, plan, rows, cfg, groups, me):
     for p in dp.experts if dp.units or dp.buckets else []:
         p.grad = None
     if dp.comm:
-        dp.comm.waits = []
+        dp.comm.waits, dp.live.peak = [], 0
     losses = executor.run(plan, rows)
     extra = reduce_gradients(dp, stage, cfg, groups, me)
     if dp.units:
@@ -838,7 +897,8 @@ def main(argv=None):
         losses, norm = train_step(dp, stage, executor, train_plan, rows(it, "train"), cfg, groups, me)
         # ---------------------------------------------------------------- end of the training step
         state = state_bytes(dp, stage)
-        exposed = dict(exposed_shard_ms=dp.comm.exposed_ms()) if dp.comm else {}  # waited on dp_shard, this step
+        exposed = dict(exposed_shard_ms=dp.comm.exposed_ms(),  # waited on dp_shard, this step
+                       max_gathered_units=dp.live.peak) if dp.comm else {}  # as fsdp.py logs it
         if dp.units and M.checkpoint_due(cfg, it + 1):
             unshard(dp)  # the full weights and moments, for end_iter's checkpoint
         logged = moe_stats(run, stage, me, groups["ep"], cfg.dispatch) if moe else {}
@@ -954,6 +1014,8 @@ def axis_messages(config, cfg, mesh, routed=None):
     E, k_top, ep = config.n_expert, config.top_k, getattr(cfg, "ep", 1)  # (a plan's cfg may not say)
     alltoall = getattr(cfg, "dispatch", "alltoall") != "allgather"
     ulysses = getattr(cfg, "cp_method", "ring") == "ulysses"  # q, k, v, out by all-to-all, and back
+    # ZeRO-3 with one micro-batch and no pipeline frees a unit after forward and gathers it again (ShardComm)
+    gathers = 2 if getattr(cfg, "zero_stage", 3) == 3 and pp == 1 and m == 1 else 1
     out = []
     for k in range(pp):
         first, last = k == 0, k == pp - 1
@@ -972,7 +1034,7 @@ def axis_messages(config, cfg, mesh, routed=None):
                 Message("cp", k, "dk, dv", "p2p", cp, kv * 4, ring * (not ulysses)),
                 Message("cp", k, "q, k, v, out", "p2p", cp, kv // 2 // cp * d, 4 * (2 + rerun) * ring * ulysses),
                 Message("cp", k, "gradients", "all_reduce", cp, 4 * held, 1),
-                Message("dp_shard", k, "weights", "all_gather", S, 4 * S * held, 1),
+                Message("dp_shard", k, "weights", "all_gather", S, 4 * S * held, gathers),
                 Message("dp_shard", k, "gradients", "reduce_scatter", S, 4 * S * held, 1),
                 Message("dp_shard", k, "norm", "all_reduce", S, 4, clip),
                 Message("dp_replicate", k, "gradients", "all_reduce", R, 4 * held, 1)]
@@ -1025,8 +1087,10 @@ def axis_bytes(config, cfg, mesh, stage=None, routed=None):
                     b·s·h/(tp·cp), d bytes, forward (q, k, v, out), as many backward, and
                     again for the rerun); + one all-reduce of the gradients
                     the rank holds (Ψ_k floats, or its P_k/S under dp_shard)
-      dp_shard      (S-1)·4P_k for the all-gather of the stage's units, as much for the
-                    reduce-scatter of their gradients, + 1 float (the norm)
+      dp_shard      (S-1)·4P_k for the all-gather of the stage's units (twice under ZeRO-3
+                    with pp = 1 and m = 1: forward, and again before backward, as fsdp.py's
+                    traffic_per_rank counts), as much for the reduce-scatter of their
+                    gradients, + 1 float (the norm)
       dp_replicate  one all-reduce of the gradients the rank holds, float32 (Ψ_k or P_k/S)
       pp            2·(pp·v-1)·m activations of b·s·h floats (b·s·h/tp with sequence parallel:
                     each tp rank sends its own positions), + 2·V/tp·h floats (the tie) + 1 float

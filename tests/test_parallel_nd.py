@@ -144,6 +144,7 @@ def _run_all(rank, world, train_args, out, shared):
             results[flags] = refuse("parallel_nd", train_args + list(flags))
     if world == 2:
         run("quick", mesh_flags(1, 1, 2) + THREE, save=True)
+        run("sync", mesh_flags(1, 1, 2, 1, 1, "--overlap=False") + THREE, save=True)
     return results if rank == 0 else None
 
 
@@ -221,6 +222,10 @@ def check_bytes(records, argv):
     state = [P.state_per_rank(config, cfg, mesh, P.coords(i, mesh).pp, P.coords(i, mesh).dp_shard)
              for i in range(world)]
     assert records[-1]["state_bytes"] == state, (mesh, records[-1]["state_bytes"], state)
+    if mesh.dp_shard > 1 and cfg.zero_stage == 3 and mesh.pp == 1 and cfg.n_micro == 1:
+        # ZeRO-3 with one micro-batch frees each unit after forward, as fsdp.py: at the step's peak the
+        # state above plus fsdp's 1 + prefetch gathered units (--overlap prefetches one), not the stage's all
+        assert all(r["max_gathered_units"] == [1 + cfg.overlap] * world for r in records), mesh
 
 
 def check_run(result, ref):
@@ -302,6 +307,12 @@ def test_dp_shard_at_2_ranks(runs, reference_short):
     check_run(runs(2)["quick"], reference_short)
 
 
+def test_dp_shard_synchronous_at_2_ranks(runs, reference_short):
+    """ZeRO-3 without --overlap: each unit gathered when it computes, freed after its forward and
+    its backward, so one unit's full weights at most (check_bytes), fsdp.py --prefetch=0's peak."""
+    check_run(runs(2)["sync"], reference_short)
+
+
 def test_mesh_and_formulas_on_paper():
     """The layout rank = (((pp·R + r)·S + s)·CP + c)·TP + t, groups that partition the ranks;
     and the byte count and the state reduce to each strategy's own when the other axes are 1."""
@@ -349,10 +360,11 @@ def test_mesh_and_formulas_on_paper():
             cfg = SimpleNamespace(**dict(base, cp=n, dtype=dtype))
             assert P.traffic_per_rank(config, cfg, n) == pytest.approx(
                 context_parallel.traffic_per_rank(config, cfg, n))
-        # one gather and one reduce-scatter a step: fsdp.py's ZeRO-2 traffic (fp32), and its state
+        # ZeRO-1/2: one gather and one reduce-scatter a step, fsdp.py's ZeRO-2 traffic (fp32); ZeRO-3 with
+        # one micro-batch frees after forward and gathers again before backward: fsdp.py's ZeRO-3 traffic
         for stage in (1, 2, 3):
             cfg = SimpleNamespace(**dict(base, dp_shard=n, zero_stage=stage))
-            fcfg = M.parse_args(fsdp.DEFAULTS, ["--zero_stage=2", "--dtype=float32"])
+            fcfg = M.parse_args(fsdp.DEFAULTS, [f"--zero_stage={max(stage, 2)}", "--dtype=float32"])
             assert P.traffic_per_rank(config, cfg, n) == pytest.approx(fsdp.traffic_per_rank(config, fcfg, n))
             fcfg.zero_stage = stage
             mesh = P.Mesh(1, 1, n, 1, 1)
