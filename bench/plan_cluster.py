@@ -21,6 +21,9 @@ The model:
            weights at the step's peak: parallel_nd.py gathers each unit just before its first use in
            a step and frees it when the step ends (torchtitan's reshard_after_forward=False, what a
            pipeline's many micro-batches want), so between steps it holds 16/N, during one 4 + 16/N.
+           (Without a pipeline and with one micro-batch parallel_nd.py frees each unit after its
+           forward, as fsdp.py does: a unit's weights at the peak and a second all-gather. The
+           planner still charges the pipelined way there: an overestimate of that case's memory.)
   act      Korthikanti et al. 2022, tp with sequence parallelism: s·b·h·(34 + 5·a·s/h)/t bytes a
            layer; selective recomputation (or flash attention) drops the 5·a·s/h of the scores; full
            recomputation keeps the 2·s·b·h/t input of each layer and one layer's working set. s is the
