@@ -103,12 +103,13 @@ class GradBuckets:
         or its .grad set to None and not used since), a copy if backward wrote a tensor of its
         own (after zero_grad(set_to_none=True), or p.grad = None)."""
         view, grad = self.view[p], p.grad
+        if grad is view:  # the common case, from every parameter's hook every step: nothing to do
+            return
         if grad is None:
             view.zero_()
         elif grad.data_ptr() != view.data_ptr():
             view.copy_(grad)
-        if grad is not view:
-            p.grad = view
+        p.grad = view
 
     def _ready(self, p):
         self.claim(p)  # on every micro-step: later ones then accumulate into the view
@@ -260,8 +261,9 @@ def main(argv=None):
             norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip) if cfg.grad_clip else 0.0
             optimizer.step()
         # ---------------------------------------------------------------- end of the training step
-        grads = buckets.buffers if buckets else [p.grad for p in params]
-        state = M.tensor_bytes(params) + M.tensor_bytes(grads) + M.optimizer_state_bytes(optimizer)
+        if it == run.start_iter:  # the same every step from here on (Adam's moments exist after its first step)
+            grads = buckets.buffers if buckets else [p.grad for p in params]
+            state = M.tensor_bytes(params) + M.tensor_bytes(grads) + M.optimizer_state_bytes(optimizer)
         M.end_iter(run, loss=loss.item(), grad_norm=norm, state_bytes=state, act_bytes=act,
                    exposed_comm_ms=1000 * M.elapsed(t_comm, exposed), **M.moe_log(run, model))
     return M.finish(run)

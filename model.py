@@ -340,6 +340,9 @@ class MoE(nn.Module):
 
 
 def moe_layers(model):
+    config = getattr(model, "config", None)
+    if config is not None and not config.n_expert:  # dense: no walk over every module, twice a step
+        return []
     return [m for m in model.modules() if isinstance(m, MoE)]
 
 
