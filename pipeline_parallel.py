@@ -356,20 +356,25 @@ class DeferredLinear(torch.autograd.Function):
     """y = x Wᵀ + b, whose backward computes x's gradient and b's, and appends (param, x, dY)
     to `store` for W, instead of computing W's: Megatron's weight-gradient store, and the
     zero-bubble paper's implementation, do the same. x and weight come in autocast's dtype
-    (deferred_linear casts them), param is the weight's float32 parameter that W adds to."""
+    (deferred_linear casts them), `into` is (param, store): param the weight's float32
+    parameter that W adds to. The weight comes detached, and param inside a tuple (autograd
+    does not look inside one): neither is an input of B's graph. Were it one, autograd would
+    run its gradient hooks in B with no gradient, and data parallelism's buckets, counting
+    the parameters whose gradient is complete, would send it before W had computed it."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, param, store):
+    def forward(ctx, x, weight, bias, into):
         ctx.save_for_backward(x, weight)
-        ctx.param, ctx.store = param, store
+        ctx.into = into
         return nn.functional.linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
-        ctx.store.append((ctx.param, x, dy))
+        param, store = ctx.into
+        store.append((param, x, dy))
         db = dy.flatten(0, -2).sum(0) if ctx.needs_input_grad[2] else None
-        return dy @ weight, None, db, None, None
+        return dy @ weight, None, db, None
 
 
 def deferred_linear(executor, x, weight, bias=None):
@@ -378,11 +383,11 @@ def deferred_linear(executor, x, weight, bias=None):
     cast's backward brings the bias's gradient back to float32, as in the one-process run)."""
     if executor.store is None:  # a forward without W (evaluation; a plan that does not split)
         return nn.functional.linear(x, weight, bias)
-    w, b = weight, bias
+    w, b = weight.detach(), bias  # the weight's gradient is W's: no edge to it in B
     if torch.is_autocast_enabled(x.device.type):
         dtype = torch.get_autocast_dtype(x.device.type)
         x, w, b = x.to(dtype), w.to(dtype), None if b is None else b.to(dtype)
-    return DeferredLinear.apply(x, w, b, weight, executor.store)
+    return DeferredLinear.apply(x, w, b, (weight, executor.store))
 
 
 @torch.no_grad()  # x is a tensor of the forward's graph: no graph for its product

@@ -223,7 +223,11 @@ def test_b_leaves_the_weights_gradients_to_w(monkeypatch):
     walked once), and leaves each block linear's weight gradient to W: at the first W none
     of those has a gradient yet, and the micro-batch's store holds 4 linears a block, their
     inputs and output gradients (16h numbers a token a layer). After W, every gradient is
-    1F1B's (the full backward's)."""
+    1F1B's (the full backward's). A deferred weight's gradient hooks (data parallelism's
+    buckets count on them) run in W, once a micro-batch, never in B: were the weight an input
+    of B's graph, autograd would run them there with no gradient, and the mesh's buckets sent
+    the weights' gradients before W had computed them (the bug this caught, on zb with
+    --dp_replicate or --dp_shard, from 2e-3 off the one-process loss at the second step)."""
     config = M.make_config("tiny", VOCAB, block_size=BLOCK)
     stage, m, b = PP.Stage(config, 0, 1, 0), 2, 3
     rows = torch.randint(0, VOCAB, (m * b, BLOCK + 1), generator=torch.Generator().manual_seed(0))
@@ -238,9 +242,18 @@ def test_b_leaves_the_weights_gradients_to_w(monkeypatch):
         weight_grads(store)
     store_bytes = PP.store_bytes
     monkeypatch.setattr(PP, "weight_grads", first_w)
-    PP.Executor(stage, (b, BLOCK, config.n_embd), m).run(PP.plan("zb", 1, m, 0), batch)
+    executor = PP.Executor(stage, (b, BLOCK, config.n_embd), m)
+    fired, kind = [], []  # (parameter's name, the action it fired in)
+    for n, p in stage.named_parameters():
+        p.register_post_accumulate_grad_hook(lambda p, n=n: fired.append((n, kind[-1])))
+    for name in ("backward", "weight_grad"):
+        run = getattr(executor, name)
+        setattr(executor, name, lambda a, *args, run=run: kind.append(a.kind) or run(a, *args))
+    executor.run(PP.plan("zb", 1, m, 0), batch)
     deferred = {n for n, p in stage.transformer["h"].named_parameters(prefix="transformer.h") if p.dim() == 2}
     assert len(at_w) == m and at_w[0][0] == deferred and len(deferred) == 4 * config.n_layer
+    assert sorted(fired) == sorted((n, "W" if n in deferred else "B") for n, _ in stage.named_parameters()
+                                   for _ in range(m))
     assert at_w[0][1:] == (PP.w_store_bytes(config, b * BLOCK, config.n_layer), 4 * config.n_layer)
     for n, p in stage.named_parameters():
         assert torch.allclose(p.grad, full[n], rtol=1e-5, atol=1e-7), n
