@@ -164,7 +164,8 @@ class Stage(nn.Module):
     """Stage `stage` of `n_stages` (pipeline_parallel.Stage's blocks), each unit built
     whole from the seed and cut to this rank's tensor parallel slice (tensor_parallel's
     build), under model.GPT's parameter names. The last stage's head is its own copy of
-    this tp rank's slice of the tied matrix (lm_head.weight); one stage: the same one.
+    this tp rank's slice of the tied matrix (lm_head.weight); one stage, or ZB-V's rank 0 (both
+    ends): the same one.
     pos: this cp rank's global positions (None: all of them); ring: its attention's ring;
     moe: MoE -> its layer on the mesh (MeshMoE), for --n_expert.
     gather(unit): called before a unit ("ends", "head": the ends again, or a block's index)
@@ -172,15 +173,15 @@ class Stage(nn.Module):
     frees it there, ShardComm.done)."""
 
     def __init__(self, config, stage, n_stages, seed, group, sp, n_virtual=1, pos=None, ring=None, moe=None,
-                 cp_method="ring"):
+                 cp_method="ring", schedule=None):
         super().__init__()
         self.config, self.group, self.sp, self.pos = config, group, sp, pos
         self.gather, self.done = lambda unit: None, lambda unit, x: x
         self.recompute = "none"  # --recompute: what each block keeps for backward (model.recompute_block)
-        self.first, self.last = stage == 0, stage == n_stages - 1
-        self.n_chunks = n_stages * n_virtual  # pipeline_parallel.Stage's chunks: r, r+p, ...
+        self.n_chunks = n_stages * n_virtual  # pipeline_parallel.Stage's chunks: r, r+p, ... (ZB-V: r, 2p-1-r)
         self.chunks = {c: PP.stage_layers(config.n_layer, self.n_chunks, c)
-                       for c in range(stage, self.n_chunks, n_stages)}
+                       for c in PP.chunks_of(schedule, n_stages, stage, n_virtual)}
+        self.first, self.last = 0 in self.chunks, self.n_chunks - 1 in self.chunks
         self.transformer = nn.ModuleDict(dict(h=nn.ModuleDict(
             {str(i): parallel_block(M.build_unit(config, i, seed), group, sp, moe) for c in self.chunks
              for i in self.chunks[c]})))
@@ -670,8 +671,8 @@ def layout(cfg, config, world, check=True):
     if E and (E % ep or S * cp % ep):
         M.die(f"--ep={ep} must divide the {E} experts (--n_expert) and --dp_shard x --cp = {S * cp}, "
               f"the ranks it borrows")
-    if E and (cfg.schedule == "zb" or cfg.recompute == "full" or cfg.sequence_parallel or cfg.capacity_factor):
-        M.die("--n_expert here: not with --schedule=zb or --recompute=full (each runs the experts' all-to-alls "
+    if E and (cfg.schedule in ("zb", "zbv") or cfg.recompute == "full" or cfg.sequence_parallel or cfg.capacity_factor):
+        M.die("--n_expert here: not with --schedule=zb or zbv, or --recompute=full (each runs the experts' all-to-alls "
               "again), --sequence_parallel (not yet), or --capacity_factor (its drop order is the whole global "
               "micro-batch's, which no ep group sees: expert_parallel.py has it)")
     dp = mesh.dp_replicate * S
@@ -687,8 +688,6 @@ def check_flags(cfg):
         M.die("--pp, --dp_shard, --cp and --tp must be at least 1, --dp_replicate at least 0 (0: the rest)")
     if cfg.schedule not in PP.SCHEDULES:
         M.die(f"--schedule takes {', '.join(PP.SCHEDULES)}, not {cfg.schedule!r}")
-    if cfg.schedule == "zbv":  # the mesh's Stage holds chunks r, r+p, ..., not the V
-        M.die("--schedule=zbv: not on the mesh yet (pipeline_parallel.py runs it)")
     if cfg.layout not in CP.LAYOUTS:
         M.die(f"--layout takes {' or '.join(CP.LAYOUTS)}, not {cfg.layout!r}")
     if cfg.zero_stage not in (1, 2, 3):
@@ -715,7 +714,7 @@ def build_stage(cfg, config, mesh, me, groups, device):
         make_moe = partial(MeshMoE, mode=cfg.dispatch, wire_dtype=wire, group=groups["ep"], cp_group=groups["cp"],
                            aux_scale=config.aux_loss_coef / (config.n_layer * cfg.n_micro))
     stage = Stage(config, me.pp, mesh.pp, cfg.seed, groups["tp"], cfg.sequence_parallel, PP.virtual_stages(cfg),
-                  pos, ring, make_moe, cfg.cp_method).to(device)
+                  pos, ring, make_moe, cfg.cp_method, cfg.schedule).to(device)
     stage.recompute = cfg.recompute
     return stage
 
@@ -861,7 +860,8 @@ def main(argv=None):
     eval_plan = PP.plan(cfg.schedule, mesh.pp, n_micro, me.pp, v, train=False)
     sizes = dict(mesh._asdict(), **({"ep": ep, "ep_dp": S * mesh.cp // ep} if moe else {}))
     formula = {a: axis_bytes(config, cfg, mesh, stage=me.pp)[a] / n for a, n in sizes.items()}
-    last_stage = [r for r in range(world) if coords(r, mesh).pp == mesh.pp - 1]
+    head = PP.owner(cfg.schedule, mesh.pp, mesh.pp * v - 1)  # the pp rank with the last chunk (ZB-V: 0)
+    last_stage = [r for r in range(world) if coords(r, mesh).pp == head]
     if rank == 0:
         print(f"parallel_nd: " + " x ".join(f"{a}={n}" for a, n in mesh._asdict().items()) + f" = {world} ranks"
               f"{f', ZeRO-{cfg.zero_stage}' if S > 1 else ''}{f', {cfg.layout} ring' if mesh.cp > 1 else ''}"
@@ -887,7 +887,7 @@ def main(argv=None):
             loss = torch.stack(losses).mean() if stage.last else torch.zeros((), device=device)
             for axis in ("cp", "dp_shard", "dp_replicate"):  # equal shares of tokens
                 C.all_reduce(loss, op="avg", group=groups[axis])
-            C.broadcast(loss, src=C.group_ranks(groups["pp"])[-1], group=groups["pp"])  # the last stage has it
+            C.broadcast(loss, src=C.group_ranks(groups["pp"])[head], group=groups["pp"])  # the last chunk's rank has it
         stage.train()
         return loss.item()
 
@@ -933,6 +933,14 @@ def moe_stats(run, stage, me, ep_group, dispatch):
 # the traffic, in code: shared with bench/plan_cluster.py
 
 
+def held(config, pp, stage, schedule=None, v=1):
+    """(blocks, first, last) of pipeline rank `stage`: how many blocks its chunks hold
+    (pipeline_parallel's placement: chunks r, r+p, ...; ZB-V's r and 2p-1-r), whether it holds
+    the embedding (chunk 0) and the head (the last chunk: ZB-V puts both ends on rank 0)."""
+    chunks = PP.chunks_of(schedule, pp, stage, v)
+    return sum(len(PP.stage_layers(config.n_layer, pp * v, c)) for c in chunks), 0 in chunks, pp * v - 1 in chunks
+
+
 def block_params(config):
     """(sharded, replicated) elements of one block, outside a mixture's experts: tensor
     parallelism splits c_attn, the c_proj weights and c_fc (a MoE block: the attention's
@@ -943,38 +951,37 @@ def block_params(config):
     return 12 * h * h + 7 * h * bias, 2 * h + 4 * h * bias
 
 
-def stage_params(config, tp, pp, stage):
+def stage_params(config, tp, pp, stage, schedule=None, v=1):
     """(sharded, replicated): the parameters a rank of `stage` holds, in elements, but a
     mixture's experts (expert_params). Sharded: its 1/tp of every matrix tensor parallelism
     splits (and the tied matrix's copy on a last stage); replicated: LayerNorms, row-parallel
     biases, the position embedding, the routers."""
     h, bias = config.n_embd, int(config.bias)
-    n_blocks = len(PP.stage_layers(config.n_layer, pp, stage))
+    n_blocks, first, last = held(config, pp, stage, schedule, v)
     sharded, replicated = (n_blocks * n for n in block_params(config))
-    first, last = stage == 0, stage == pp - 1
     sharded += config.vocab_size * h * (first + (last and not first))  # wte, or its copy as the head
     replicated += config.block_size * h * first + (h + h * bias) * last  # wpe; ln_f
     return sharded // tp, replicated
 
 
-def expert_params(config, ep, pp, stage):
+def expert_params(config, ep, pp, stage, schedule=None, v=1):
     """The experts' elements a rank of `stage` holds: E/ep of each of its blocks' experts
     (an expert is the dense MLP's 8h² + 5h), neither tp-split nor ZeRO-sharded."""
     h, bias, E = config.n_embd, int(config.bias), config.n_expert
-    return len(PP.stage_layers(config.n_layer, pp, stage)) * E // ep * (8 * h * h + 5 * h * bias)
+    return held(config, pp, stage, schedule, v)[0] * E // ep * (8 * h * h + 5 * h * bias)
 
 
-def unit_sizes(config, tp, pp, stage):
+def unit_sizes(config, tp, pp, stage, schedule=None, v=1):
     """The elements of each ZeRO unit of `stage` on one tp rank: its ends (embeddings on the
     first stage, final norm and the head's copy on the last; none in the middle), then its
     blocks (a mixture's experts left out: they stay whole, split by ep instead)."""
     h, bias = config.n_embd, int(config.bias)
-    first, last = stage == 0, stage == pp - 1
+    n_blocks, first, last = held(config, pp, stage, schedule, v)
     ends = (config.vocab_size * h // tp + config.block_size * h) * first + (h + h * bias) * last
     ends += config.vocab_size * h // tp * (last and not first)
     sharded, replicated = block_params(config)
     block = sharded // tp + replicated
-    return [ends] * (first or last) + [block] * len(PP.stage_layers(config.n_layer, pp, stage))
+    return [ends] * (first or last) + [block] * n_blocks
 
 
 Message = namedtuple("Message", "axis stage what op n nbytes count")
@@ -1003,6 +1010,8 @@ def axis_messages(config, cfg, mesh, routed=None):
     d = 2 if cfg.dtype == "bfloat16" else 4
     m = cfg.n_micro
     v = PP.virtual_stages(cfg)  # interleaved: p·v-1 chunk boundaries
+    place = getattr(cfg, "schedule", None), v  # which chunks each rank holds (a plan's cfg may not say)
+    vee = place[0] == "zbv"  # its chunks p-1 and p share a rank, and so do both ends of the tie
     b, s, h, V = cfg.batch_size // (R * S * m), config.block_size // cp, config.n_embd, config.vocab_size
     sp, clip = cfg.sequence_parallel, bool(cfg.grad_clip)
     # --recompute=full: backward reruns each block's forward, which stops once it has what
@@ -1018,10 +1027,9 @@ def axis_messages(config, cfg, mesh, routed=None):
     gathers = 2 if getattr(cfg, "zero_stage", 3) == 3 and pp == 1 and m == 1 else 1
     out = []
     for k in range(pp):
-        first, last = k == 0, k == pp - 1
-        n_blocks = len(PP.stage_layers(config.n_layer, pp, k))
-        sharded, replicated = stage_params(config, tp, pp, k)
-        held = sum(-(-n // S) for n in unit_sizes(config, tp, pp, k)) if S > 1 else sharded + replicated
+        n_blocks, first, last = held(config, pp, k, *place)
+        sharded, replicated = stage_params(config, tp, pp, k, *place)
+        kept = sum(-(-n // S) for n in unit_sizes(config, tp, pp, k, *place)) if S > 1 else sharded + replicated
         ring = m * n_blocks * cp * (cp - 1)  # every rank of the ring, every hop, every block, every micro-batch
         out += [Message("tp", k, "blocks, head", region, tp, b * s * h * d, m * ((2 if E else 4) * n_blocks + last)),
                 Message("tp", k, "rerun", "all_gather" if sp else "all_reduce", tp, b * s * h * d,
@@ -1033,13 +1041,13 @@ def axis_messages(config, cfg, mesh, routed=None):
                 Message("cp", k, "k, v", "p2p", cp, kv * d, (2 + rerun) * ring * (not ulysses)),  # fwd, (rerun,) bwd
                 Message("cp", k, "dk, dv", "p2p", cp, kv * 4, ring * (not ulysses)),
                 Message("cp", k, "q, k, v, out", "p2p", cp, kv // 2 // cp * d, 4 * (2 + rerun) * ring * ulysses),
-                Message("cp", k, "gradients", "all_reduce", cp, 4 * held, 1),
-                Message("dp_shard", k, "weights", "all_gather", S, 4 * S * held, gathers),
-                Message("dp_shard", k, "gradients", "reduce_scatter", S, 4 * S * held, 1),
+                Message("cp", k, "gradients", "all_reduce", cp, 4 * kept, 1),
+                Message("dp_shard", k, "weights", "all_gather", S, 4 * S * kept, gathers),
+                Message("dp_shard", k, "gradients", "reduce_scatter", S, 4 * S * kept, 1),
                 Message("dp_shard", k, "norm", "all_reduce", S, 4, clip),
-                Message("dp_replicate", k, "gradients", "all_reduce", R, 4 * held, 1)]
+                Message("dp_replicate", k, "gradients", "all_reduce", R, 4 * kept, 1)]
         if E:  # a mixture of experts: every block's MLP
-            layers, n, experts = m * n_blocks, b * s, 4 * expert_params(config, ep, pp, k)
+            layers, n, experts = m * n_blocks, b * s, 4 * expert_params(config, ep, pp, k, *place)
             rows = (ep - 1) * n * k_top * layers if routed is None else routed
             out += [Message("ep", k, "counts", "all_gather", ep, ep * E * k_top * 8, layers * alltoall),
                     Message("ep", k, "rows", "p2p", ep, h * d, 4 * rows * alltoall),
@@ -1051,8 +1059,8 @@ def axis_messages(config, cfg, mesh, routed=None):
                     Message("dp_replicate", k, "experts' gradients", "all_reduce", R, experts, 1),
                     Message("cp", k, "balance", "all_reduce", cp, b * 2 * E * 4, layers)]
     act = b * (s // tp if sp else s) * h * PP.BOUNDARY_DTYPE.itemsize
-    out += [Message("pp", None, "activations", "p2p", pp, act, 2 * (pp * v - 1) * m),  # and their gradients
-            Message("pp", None, "tie", "p2p", pp, V // tp * h * 4, 2 * (pp > 1)),  # each end its half
+    out += [Message("pp", None, "activations", "p2p", pp, act, 2 * (pp * v - 1 - vee) * m),  # and their gradients
+            Message("pp", None, "tie", "p2p", pp, V // tp * h * 4, 2 * (pp > 1 and not vee)),  # each end its half
             Message("pp", None, "norm", "all_reduce", pp, 4, clip)]
     return [msg for msg in out if msg.count and msg.n > 1]
 
@@ -1093,7 +1101,9 @@ def axis_bytes(config, cfg, mesh, stage=None, routed=None):
                     gradients, + 1 float (the norm)
       dp_replicate  one all-reduce of the gradients the rank holds, float32 (Ψ_k or P_k/S)
       pp            2·(pp·v-1)·m activations of b·s·h floats (b·s·h/tp with sequence parallel:
-                    each tp rank sends its own positions), + 2·V/tp·h floats (the tie) + 1 float
+                    each tp rank sends its own positions), + 2·V/tp·h floats (the tie) + 1 float;
+                    ZB-V: 2·(2pp-2)·m (its chunks pp-1 and pp share a rank) and no tie (rank 0
+                    holds both ends)
       ep (stage k)  m·L_k MoE layers' exchanges (axis_messages), + 1 float (the norm)
       ep_dp         one all-reduce of the experts' gradients the rank holds, X_k = expert_params
                     floats (and one more on dp_replicate)
@@ -1125,10 +1135,11 @@ def state_per_rank(config, cfg, mesh, stage, shard_rank):
       ZeRO-3   4S' + 4S' + 8R'     ZeRO-2   4P + 4S' + 8R'     ZeRO-1   4P + 4P + 8R'
     plus a mixture's experts, 16 bytes an element of expert_params at every ZeRO stage."""
     S = mesh.dp_shard
-    total = 16 * expert_params(config, getattr(cfg, "ep", 1), mesh.pp, stage) if config.n_expert else 0
+    place = getattr(cfg, "schedule", None), PP.virtual_stages(cfg)
+    total = 16 * expert_params(config, getattr(cfg, "ep", 1), mesh.pp, stage, *place) if config.n_expert else 0
     if S == 1:
-        return total + 16 * sum(stage_params(config, mesh.tp, mesh.pp, stage))
-    for n in unit_sizes(config, mesh.tp, mesh.pp, stage):
+        return total + 16 * sum(stage_params(config, mesh.tp, mesh.pp, stage, *place))
+    for n in unit_sizes(config, mesh.tp, mesh.pp, stage, *place):
         size = -(-n // S)
         real = min(max(n - shard_rank * size, 0), size)
         total += {3: 8 * size, 2: 4 * S * size + 4 * size, 1: 8 * S * size}[cfg.zero_stage] + 8 * real

@@ -3,14 +3,15 @@ the one-process run.
 
 Three spawns, each one launch running many short runs, most of 3 steps against the
 one-process run of the same 3 steps (losses, validation, the final parameters). At 8 ranks
-the issue's mesh layouts: dp_shard 2 x tp 2 x pp 2; HSDP (dp_replicate 2 x dp_shard 2) x tp 2;
+the issue's mesh layouts: dp_shard 2 x tp 2 x pp 2 (ZB-V's V); HSDP (dp_replicate 2 x dp_shard 2) x tp 2;
 dp_shard 2 x cp 2 x tp 2 (zigzag); pp 2 x cp 2 x dp_shard 2 (contiguous); a mixture of
 experts, ep 4 over dp_shard 2 x cp 2 in a pipeline of 2. At 4 ranks: HSDP (dp_replicate 2 x
 dp_shard 2) for 20 steps (the schedule's whole warm-up and decay), every pair of the five
-axes once for 3 steps (ZeRO-1, ZeRO-2, bf16, interleaved and --recompute among them), exact
+axes once for 3 steps (ZeRO-1, ZeRO-2, bf16, interleaved and --recompute among them; ZB-H1 and
+ZB-V with the data and tp axes), exact
 resumes, the 8-rank checkpoints loaded by other layouts and strategies, three more mixtures
 of experts (ep on the dp_shard group, on the cp ring, bf16 with allgather), and bad layouts.
-At 2 ranks (quick): dp_shard 2. Every run's bytes per axis are held to axis_bytes (per group
+At 2 ranks (quick): dp_shard 2, and pp 2 under ZB-V. Every run's bytes per axis are held to axis_bytes (per group
 and in all, nothing sent outside the axes; the experts' ep and ep_dp too), and its state to
 state_per_rank.
 """
@@ -48,15 +49,17 @@ def mesh_flags(pp=1, rep=1, shard=1, cp=1, tp=1, *extra):
 
 THREE = [f"--max_iters={SHORT_STEPS}"]  # 3 steps, validation at steps 0 and 2: conftest.reference_short's
 # name -> flags: 3 steps, compared with the one-process run of the same 3 (losses, validation, parameters)
-LAYOUTS8 = {"shard x tp x pp": mesh_flags(2, 1, 2, 1, 2), "hsdp x tp": mesh_flags(1, 2, 2, 1, 2),
+LAYOUTS8 = {"shard x tp x pp (zbv)": mesh_flags(2, 1, 2, 1, 2, "--schedule=zbv"), "hsdp x tp": mesh_flags(1, 2, 2, 1, 2),
             "shard x cp x tp": mesh_flags(1, 1, 2, 2, 2, "--layout=zigzag"),
             "pp x cp x shard": mesh_flags(2, 1, 2, 2, 1, "--layout=contiguous", "--schedule=gpipe")}
 LONG4 = mesh_flags(1, 2, 2)  # HSDP, 20 steps
 PAIRS4 = {  # every pair of the five axes, at 2 x 2, 3 steps each
     "pp x rep": mesh_flags(2, 2, 1, 1, 1, "--n_micro=3"),
+    "pp x rep (zb)": mesh_flags(2, 2, 1, 1, 1, "--schedule=zb"),  # the buckets wait for W's weight gradients
     "pp x shard": mesh_flags(2, 1, 2, 1, 1, "--zero_stage=2", "--schedule=interleaved", "--n_micro=2"),
     "pp x cp": mesh_flags(2, 1, 1, 2, 1),
     "pp x tp": mesh_flags(2, 1, 1, 1, 2, "--sequence_parallel=True", "--recompute=gelu"),
+    "pp x tp (zbv)": mesh_flags(2, 1, 1, 1, 2, "--schedule=zbv"),  # the tie's tp slices, both on rank 0
     "rep x shard": mesh_flags(1, 2, 2, 1, 1, "--zero_stage=1"),
     "rep x cp": mesh_flags(1, 2, 1, 2, 1),
     "rep x tp": mesh_flags(1, 2, 1, 1, 2, "--overlap=False"),
@@ -66,8 +69,9 @@ PAIRS4 = {  # every pair of the five axes, at 2 x 2, 3 steps each
 }
 # exact resume at the same layout: ZeRO-3's shards and moments gathered into global tensors and
 # cut again; and without a shard axis, the replicas and both tied copies
-RESUMED = {"zero3": mesh_flags(2, 1, 2), "ddp": mesh_flags(2, 2, 1, 1, 1)}
-SAVED8 = "shard x tp x pp"  # its checkpoint (step 3) is loaded at 4 ranks by tp x pp, fsdp.py and ddp.py
+RESUMED = {"zero3": mesh_flags(2, 1, 2), "ddp": mesh_flags(2, 2, 1, 1, 1), "zbv": mesh_flags(2, 1, 2, 1, 1, "--schedule=zbv")}
+SAVED8 = "shard x tp x pp (zbv)"  # its checkpoint (step 3), from ZB-V's V, is loaded at 4 ranks by tp x pp
+# under 1F1B, fsdp.py and ddp.py
 # a mixture of experts (4 experts, top 2), against the one-process ddp.py --n_expert=4 run of the same 3 steps:
 # at 8 ranks ep 4 over dp_shard 2 x cp 2 in a 1F1B pipeline of 2, its checkpoint loaded at 4 ranks by a MoE
 # layout and by ddp.py; at 4 ranks ep 2 on the dp_shard group (ZeRO-3, with tp), on the
@@ -144,6 +148,7 @@ def _run_all(rank, world, train_args, out, shared):
             results[flags] = refuse("parallel_nd", train_args + list(flags))
     if world == 2:
         run("quick", mesh_flags(1, 1, 2) + THREE, save=True)
+        run("zbv", mesh_flags(2, 1, 1, 1, 1, "--schedule=zbv") + THREE, save=True)
         run("sync", mesh_flags(1, 1, 2, 1, 1, "--overlap=False") + THREE, save=True)
     return results if rank == 0 else None
 
@@ -307,6 +312,12 @@ def test_dp_shard_at_2_ranks(runs, reference_short):
     check_run(runs(2)["quick"], reference_short)
 
 
+@pytest.mark.quick
+def test_zbv_at_2_ranks(runs, reference_short):
+    """ZB-V's V on the mesh: chunks 0 and 3 (both ends, the tie in one matrix) on rank 0."""
+    check_run(runs(2)["zbv"], reference_short)
+
+
 def test_dp_shard_synchronous_at_2_ranks(runs, reference_short):
     """ZeRO-3 without --overlap: each unit gathered when it computes, freed after its forward and
     its backward, so one unit's full weights at most (check_bytes), fsdp.py --prefetch=0's peak."""
@@ -354,8 +365,9 @@ def test_mesh_and_formulas_on_paper():
         for sp in (False, True):
             cfg = SimpleNamespace(**dict(base, tp=n, sequence_parallel=sp))
             assert P.traffic_per_rank(config, cfg, n) == pytest.approx(TP.traffic_per_rank(config, cfg, n))
-        cfg = SimpleNamespace(**dict(base, pp=n, n_micro=4))
-        assert P.traffic_per_rank(config, cfg, n) == pytest.approx(PP.traffic_per_rank(config, cfg, n))
+        for schedule in ("1f1b", "zbv"):
+            cfg = SimpleNamespace(**dict(base, pp=n, n_micro=4, schedule=schedule))
+            assert P.traffic_per_rank(config, cfg, n) == pytest.approx(PP.traffic_per_rank(config, cfg, n))
         for dtype in ("float32", "bfloat16"):
             cfg = SimpleNamespace(**dict(base, cp=n, dtype=dtype))
             assert P.traffic_per_rank(config, cfg, n) == pytest.approx(
@@ -384,23 +396,34 @@ def test_mesh_and_formulas_on_paper():
 
 
 def _zb_and_1f1b(rank, world, train_args):
-    """--schedule=zb and 1f1b on pp 2 x tp 2 and pp 2 x cp 2, 2 steps: {(axis, schedule): [(loss, comm_bytes)]}."""
+    """--schedule=zb, zbv and 1f1b on pp 2 x tp 2 and pp 2 x cp 2, 2 steps:
+    {(axis, schedule): [(loss, that axis' bytes on every rank, axis_bytes' on every rank)]}."""
     out = {}
     for axis in ("--tp=2", "--cp=2"):
-        for schedule in ("1f1b", "zb"):
+        for schedule in ("1f1b", "zb", "zbv"):
             with contextlib.redirect_stdout(io.StringIO()):
                 records = P.main(train_args + ["--pp=2", axis, "--dp_replicate=1", f"--schedule={schedule}", "--n_micro=4",
                                                "--max_iters=2", "--eval_interval=0"])
-            out[axis, schedule] = [(r["loss"], r["comm_bytes"]) for r in records]
+            out[axis, schedule] = [(r["loss"], r[f"comm_bytes_{axis[2:4]}"], r[f"formula_bytes_{axis[2:4]}"])
+                                   for r in records]
     return out
 
 
 def test_zb_with_tp_and_cp(train_args):
-    """ZB-H1 on the mesh with tensor and context parallelism: B walks the backward once (tp's
-    linears leave their weights' gradients in the W store, pipeline_parallel.deferred_linear),
-    so tp's all-reduces and cp's ring send 1F1B's bytes on every rank, and the losses are 1F1B's."""
+    """ZB-H1 and ZB-V on the mesh with tensor and context parallelism: B walks the backward once
+    (tp's linears leave their weights' gradients in the W store, pipeline_parallel.deferred_linear),
+    so tp's all-reduces and cp's ring send 1F1B's bytes on every rank, and the losses are 1F1B's.
+    ZB-V's V moves blocks and the head between ranks: tp's bytes are 1F1B's in all, cp's (its
+    ring, and the gradients each rank holds: one tied matrix, not two) axis_bytes' on every rank."""
     got = spawn(_zb_and_1f1b, 4, train_args, timeout=600)[0]
     for axis in ("--tp=2", "--cp=2"):
-        zb, ref = got[axis, "zb"], got[axis, "1f1b"]
-        assert [b for _, b in zb] == [b for _, b in ref], axis
-        assert all(abs(a - b) <= 1e-6 for (a, _), (b, _) in zip(zb, ref)), (axis, zb, ref)
+        ref = got[axis, "1f1b"]
+        assert all(sum(b) for _, b, _ in ref), axis  # a check that can fail: the axis sends
+        for name in ("zb", "zbv"):
+            run = got[axis, name]
+            assert all(abs(a - b) <= 1e-6 for (a, _, _), (b, _, _) in zip(run, ref)), (axis, name, run, ref)
+            assert all(b == pytest.approx(f) for _, b, f in run), (axis, name, run)
+            if name == "zb" or axis == "--tp=2":
+                same = [b for _, b, _ in run] == [b for _, b, _ in ref] if name == "zb" else \
+                    [sum(b) for _, b, _ in run] == [sum(b) for _, b, _ in ref]
+                assert same, (axis, name, run, ref)
