@@ -372,7 +372,10 @@ class DeferredLinear(torch.autograd.Function):
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
         param, store = ctx.into
-        store.append((param, x, dy))
+        # x detached: x's grad_fn leads back to this node, which holds the store; a cycle
+        # through autograd's C++ graph that Python's collector cannot see, and every step's
+        # stores would stay in memory (a leak of 16h numbers a token a layer each step)
+        store.append((param, x.detach(), dy))
         db = dy.flatten(0, -2).sum(0) if ctx.needs_input_grad[2] else None
         return dy @ weight, None, db, None
 
@@ -510,7 +513,9 @@ class Executor:
             self.count_held()
 
     def weight_grad(self, a, batch=None, train=True):
-        weight_grads(self.held.pop((a.chunk, a.micro))[3])
+        store = self.held.pop((a.chunk, a.micro))[3]
+        weight_grads(store)
+        store.clear()  # its tensors go now (self.store may still name it)
 
 COMPUTE_NAMES = {"F": "forward", "B": "backward", "W": "weight_grad"}
 

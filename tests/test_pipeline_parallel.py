@@ -15,9 +15,11 @@ resume of a ZB-V run (whose checkpoint 1F1B loads at 3 stages), ZB-H1 with --rec
 and a bf16 run; at 4, two pipelines side by side on sub-groups of non-neighbouring global ranks.
 """
 import contextlib
+import gc
 import io
 import math
 import os
+import weakref
 
 import pytest
 import torch
@@ -239,7 +241,9 @@ def test_b_leaves_the_weights_gradients_to_w(monkeypatch):
 
     def first_w(store):
         at_w.append(({n for n, p in stage.named_parameters() if p.grad is None}, store_bytes(store), len(store)))
+        kept.extend(weakref.ref(t) for _, x, dy in store for t in (x, dy))
         weight_grads(store)
+    kept = []
     store_bytes = PP.store_bytes
     monkeypatch.setattr(PP, "weight_grads", first_w)
     executor = PP.Executor(stage, (b, BLOCK, config.n_embd), m)
@@ -254,6 +258,11 @@ def test_b_leaves_the_weights_gradients_to_w(monkeypatch):
     assert len(at_w) == m and at_w[0][0] == deferred and len(deferred) == 4 * config.n_layer
     assert sorted(fired) == sorted((n, "W" if n in deferred else "B") for n, _ in stage.named_parameters()
                                    for _ in range(m))
+    # after the step nothing holds a store's tensors: the store must not be reachable from the
+    # graph it came from (x's grad_fn -> the node -> its store), a cycle through autograd's C++
+    # graph that Python's collector cannot free: every step's stores leaked (16h numbers a token a layer)
+    gc.collect()
+    assert kept and all(ref() is None for ref in kept)
     assert at_w[0][1:] == (PP.w_store_bytes(config, b * BLOCK, config.n_layer), 4 * config.n_layer)
     for n, p in stage.named_parameters():
         assert torch.allclose(p.grad, full[n], rtol=1e-5, atol=1e-7), n
