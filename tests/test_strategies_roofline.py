@@ -97,3 +97,54 @@ def test_solve_finds_the_first_compute_bound_x():
     assert R.solve(lambda x: 100 - x, 1, 1000) == 101
     assert R.solve(lambda x: -1, 1, 1000) == 1
     assert R.solve(lambda x: 1, 1, 1000) == math.inf
+
+
+def test_loglog_crossing_reads_a_measured_curve_between_its_two_points():
+    xs = [1, 2, 4, 8, 16]
+    # communication flat at 10, compute 2.5·x: equal at x = 4, a swept point
+    found, how = R.crossing_loglog(xs, [10.0] * 5, [2.5 * x for x in xs])
+    assert how == "found" and found == pytest.approx(4)
+    # between two points: comm/compute = 8/x falls as a power law, so log-log is exact (8)
+    found, how = R.crossing_loglog([2, 4, 16, 32], [8.0] * 4, [1.0 * x for x in [2, 4, 16, 32]])
+    assert how == "found" and found == pytest.approx(8)
+    assert R.crossing_loglog(xs, [1.0] * 5, [2.0] * 5) == (1, "below")    # compute-bound throughout
+    assert R.crossing_loglog(xs, [3.0] * 5, [2.0] * 5) == (16, "above")   # communication-bound throughout
+    assert R.crossing_loglog(xs, [10, 10, 10, 10, 50], [2.5 * x for x in xs]) == (16, "above")  # bound at the end
+    # noise: a point that flips back to communication-bound moves the crossing past it
+    found, how = R.crossing_loglog(xs, [10, 10, 3, 30, 10], [2.5 * x for x in xs])
+    assert how == "found" and 8 < found < 16
+    # the pipeline's reading: idle and busy shares of the step cross at an idle fraction of 1/2
+    idle = [0.6, 0.4, 0.3]
+    found, how = R.crossing_loglog([1, 2, 4], idle, [1 - f for f in idle])
+    assert how == "found" and 1 < found < 2
+
+
+def test_costs_and_thresholds_are_one_definition():
+    # each threshold is the first integer at which its costs turn compute-bound
+    config = R.M.GPTConfig(n_layer=4, n_head=4, n_embd=64, block_size=16, vocab_size=64)
+    tp = (config, 2, 1e10, 1e-3, 1e9, 8, "float32")
+    pp = (config, 2, 1e9, 1e-3, 1e9, 1)
+    cp = (config, 2, 1e10, 1e-3, 1e9, 1, "float32")
+    for costs, threshold in ((R.tp_costs(*tp), R.tp_threshold(*tp)), (R.pp_costs(*pp), R.pp_threshold(*pp)),
+                             (R.cp_costs(*cp), R.cp_threshold(*cp))):
+        assert math.isfinite(threshold) and threshold > 1
+        comm, compute = costs(threshold)
+        assert comm < compute
+        comm, compute = costs(threshold - 1)
+        assert comm >= compute
+
+
+def test_tp_costs_scale_with_the_batch_only_through_latency():
+    config = R.M.GPTConfig(n_layer=4, n_head=4, n_embd=64, block_size=16, vocab_size=64)
+    one, eight = (R.tp_costs(config, 2, 1e10, 0.0, 1e9, rows, "float32") for rows in (1, 8))
+    for w in (16, 128):
+        (c1, k1), (c8, k8) = one(w), eight(w)
+        assert k8 == pytest.approx(8 * k1) and c8 == pytest.approx(8 * c1, rel=1e-3)  # the norm's 4 bytes aside
+
+
+def test_pp_costs_idle_share_is_the_bubble_without_messages():
+    config = R.M.GPTConfig(n_layer=8, n_embd=64, block_size=32, vocab_size=64)
+    costs = R.pp_costs(config, 2, 1e9, 0.0, math.inf, 1)
+    for m in (1, 2, 4, 8):
+        idle, busy = costs(m)
+        assert idle / (idle + busy) == pytest.approx(1 / (m + 1))  # 1f1b at p = 2: (p-1)/(m+p-1)
