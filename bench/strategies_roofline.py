@@ -378,17 +378,20 @@ def trace_blocking(path):
     """tensor_parallel.py's trace -> (communication s, compute s) a step: its all-reduces are
     blocking (each a "comm" span on the rank's main row, inside forward, backward or the
     optimizer), all of them exposed. The communication: call by call (every rank issues the
-    same ones in the same order), the rank that waited least, the one that arrived last (the
-    others' extra wait is skew between the ranks, not the wire), summed; the compute: forward
-    and backward less the all-reduces inside them, on the slower rank; medians over the steps."""
+    same ones in the same order; the ranks share the machine's clock), from the moment the last
+    rank arrived to the moment the last one left, summed: what the wire and the protocol cost,
+    without the wait for a rank still computing (skew, not communication; the last to arrive
+    alone would miss the reply the others were still waiting for). The compute: forward and
+    backward less the all-reduces inside them, on the slower rank. Medians over the steps."""
     calls, compute = {}, {}
     for (step, rank), events in sorted(trace_events(path).items()):
         work = [(e["ts"], e["ts"] + e["dur"]) for e in events if e["name"] in ("forward", "backward")]
-        mine = sorted((e["ts"], e["dur"]) for e in events if e["cat"] == "comm")
-        inside = sum(d for ts, d in mine if any(a <= ts < b for a, b in work))
-        calls.setdefault(step, []).append([d / 1e6 for _, d in mine])
+        mine = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e["cat"] == "comm")
+        inside = sum(b - a for a, b in mine if any(lo <= a < hi for lo, hi in work))
+        calls.setdefault(step, []).append(mine)
         compute.setdefault(step, []).append((sum(b - a for a, b in work) - inside) / 1e6)
-    comm = [sum(map(min, zip(*ranks))) for ranks in calls.values()]
+    comm = [sum(max(0.0, max(b for _, b in call) - max(a for a, _ in call)) for call in zip(*ranks)) / 1e6
+            for ranks in calls.values()]
     return statistics.median(comm), statistics.median(map(max, compute.values()))
 
 
