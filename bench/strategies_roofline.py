@@ -574,6 +574,59 @@ def picture(path, sweep, predicted, found):
     print(f"picture: {path}")
 
 
+def shown(x, how):
+    """A threshold as the table prints it: the crossing, or past which end of the sweep it lies."""
+    x = f"{x:,.0f}" if x >= 10 else f"{x:.1f}"
+    return {"found": x, "below": f"< {x}", "above": f"> {x}"}[how]
+
+
+def swept_others(args, other, config, rates, alpha, beta):
+    """tp, pp and cp's rows of the table, and each sweep point by point: predicted from their costs
+    at each swept point and read as the measured curves are (crossing_loglog), one definition on
+    both sides; α an all-reduce's, half of it a send's (2 ring steps at 2 ranks); F the rate
+    measured at that point's tokens -> name -> thresholds and sweep, for --json."""
+    def rate_at(x):  # F of the whole model at x tokens, read off the DDP sweep (log-log)
+        return math.exp(np.interp(math.log(x), *np.log(np.array(rates)).T))
+    specs = dict(
+        tp=("width per rank", lambda r: tp_costs(M.make_config(tp_preset(args, r["x"])[0], args.vocab), args.world,
+                                                r["rate"], alpha, beta, args.tp_rows, "float32")),
+        pp=("micro-batches", lambda r: pp_costs(config, args.world, rate_at(args.block), alpha / 2, beta, 1)),
+        cp=("sequence/rank", lambda r: cp_costs(config, args.world, rate_at(r["x"]), alpha / 2, beta, 1, "float32")))
+    rows = {}
+    for name, (quantity, costs) in specs.items():
+        if name not in other:
+            print(f"{name:>8} {quantity:>15} {'-':>10} {'not swept':>9} {'-':>6}")
+            continue
+        pts = other[name]
+        for r in pts:
+            r["pred_comm_s"], r["pred_compute_s"] = costs(r)(r["x"])
+        xs = [r["x"] for r in pts]
+        pred, pred_how = crossing_loglog(xs, [r["pred_comm_s"] for r in pts], [r["pred_compute_s"] for r in pts])
+        meas, meas_how = crossing_loglog(xs, [r["comm_s"] for r in pts], [r["compute_s"] for r in pts])
+        ratio = meas / pred if pred_how == meas_how == "found" else None
+        rows[name] = dict(predicted=pred, predicted_how=pred_how, measured=meas, measured_how=meas_how,
+                          ratio=ratio, sweep=pts)
+        print(f"{name:>8} {quantity:>15} {shown(pred, pred_how):>10} {shown(meas, meas_how):>9} "
+              f"{f'{ratio:.2f}' if ratio else '-':>6}")
+    print(f"(tp: {args.tp_layers} layers, {args.tp_heads} heads, {args.tp_rows} x {args.block} tokens on every rank; "
+          f"pp: --model={args.model}, 1f1b, micro-batches of 1 sequence; cp: --model={args.model}, ring, 1 sequence; "
+          "all float32)")
+    for name, unit, what in (("tp", "width/rank", ("all-reduces", "compute")), ("pp", "micro", ("idle", "busy")),
+                             ("cp", "seq/rank", ("ring hops", "attn overlapped"))):
+        if name not in rows:
+            continue
+        scale, fmt = (1, "{:>16.2f}") if name == "pp" else (1000, "{:>16.1f}")
+        tail = "   (pp: fractions of the step; predicted idle = step less compute)" if name == "pp" else " (ms)"
+        print(f"\n{name}: {unit:>10} {'pred ' + what[0]:>16} {'pred ' + what[1]:>16} "
+              f"{'meas ' + what[0]:>16} {'meas ' + what[1]:>16}{tail}")
+        for r in rows[name]["sweep"]:
+            pc, pk = r["pred_comm_s"], r["pred_compute_s"]
+            if name == "pp":  # the prediction as shares of its step, as the log's idle_frac
+                pc, pk = pc / (pc + pk), pk / (pc + pk)
+            print(f"    {r['x']:>10} " + " ".join(fmt.format(scale * v) for v in (pc, pk, r["comm_s"], r["compute_s"])))
+    return rows
+
+
 def print_gpu(rows):
     print("\nData parallelism on GPUs: compute-bound above x* tokens per GPU (same threshold, data-sheet C and W)")
     print(f"{'GPU':>5} {'link':>7} {'C TFLOP/s':>10} {'W GB/s':>7} {'book assumptions':>17} {'published':>10} "
@@ -626,10 +679,12 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.iters < 3 or min(args.rows) < 1 or args.world < 2:
         sys.exit("error: --iters must be at least 3, --rows positive, --world at least 2")
-    if args.tp and (args.tp_heads % args.world or min(args.tp_widths) * args.world % args.tp_heads):
+    if args.tp and (args.tp_heads % args.world or any(w * args.world % args.tp_heads for w in args.tp_widths)):
         sys.exit(f"error: --tp_heads must divide by the {args.world} ranks, and every width x ranks by the heads")
-    if args.cp and min(args.cp_seq) % 2:  # zigzag: two chunks a rank
+    if args.cp and any(c % 2 or c < 2 for c in args.cp_seq):  # zigzag: two chunks a rank
         sys.exit("error: --cp_seq must be even (the zigzag layout gives each rank two chunks)")
+    if args.pp and min(args.pp_micro) < 1:
+        sys.exit("error: --pp_micro must be positive")
     import plan_cluster
     gpu = gpu_dp_rows(plan_cluster.CLUSTERS)
     result = dict(gpu=gpu)
@@ -664,9 +719,6 @@ def main(argv=None):
             print(f"{s['tokens']:>11} {1000 * s['comm_s']:>14.1f} {1000 * s['backward_s']:>12.1f} "
                   f"{s['comm_s'] / s['backward_s']:>9.2f} {1000 * s['step_s']:>17.1f} {1000 * s['exposed_s']:>11.1f} "
                   f"{1000 * s['bucketed_step_s']:>17.1f}")
-        def shown(x, how):
-            x = f"{x:,.0f}" if x >= 10 else f"{x:.1f}"
-            return {"found": x, "below": f"< {x}", "above": f"> {x}"}[how]
         ratio = found / predicted if how == predicted_how == "found" else None
         print(f"\n{'strategy':>8} {'quantity':>15} {'predicted':>10} {'measured':>9} {'ratio':>6}")
         print(f"{'ddp':>8} {'tokens per rank':>15} {shown(predicted, predicted_how):>10} {shown(found, how):>9} "
@@ -685,49 +737,7 @@ def main(argv=None):
             fs_ratio = fs_found / fs_pred if fs_how == fs_found_how == "found" else None
         print(f"{'fsdp':>8} {'tokens per rank':>15} {shown(fs_pred, fs_how):>10} "
               f"{shown(fs_found, fs_found_how) if args.fsdp else 'not swept':>9} {f'{fs_ratio:.2f}' if fs_ratio else '-':>6}")
-        # tp, pp, cp: predicted from their costs at each swept point and read as the measured
-        # curves are (crossing_loglog), the same definition on both sides; α an all-reduce's, half
-        # of it a send's (2 ring steps at 2 ranks); F the rate measured at that point's shapes
-        def rate_at(x):  # F of the whole model at x tokens, read off the DDP sweep (log-log)
-            return math.exp(np.interp(math.log(x), *np.log(np.array(rates)).T))
-        specs = dict(
-            tp=("width per rank", lambda r: tp_costs(M.make_config(tp_preset(args, r["x"])[0], args.vocab), args.world,
-                                                    r["rate"], alpha, beta, args.tp_rows, "float32")),
-            pp=("micro-batches", lambda r: pp_costs(config, args.world, rate_at(args.block), alpha / 2, beta, 1)),
-            cp=("sequence/rank", lambda r: cp_costs(config, args.world, rate_at(r["x"]), alpha / 2, beta, 1, "float32")))
-        other_rows = {}
-        for name, (quantity, costs) in specs.items():
-            if name not in other:
-                print(f"{name:>8} {quantity:>15} {'-':>10} {'not swept':>9} {'-':>6}")
-                continue
-            pts = other[name]
-            for r in pts:
-                r["pred_comm_s"], r["pred_compute_s"] = costs(r)(r["x"])
-            xs_o = [r["x"] for r in pts]
-            pred, pred_how = crossing_loglog(xs_o, [r["pred_comm_s"] for r in pts], [r["pred_compute_s"] for r in pts])
-            meas, meas_how = crossing_loglog(xs_o, [r["comm_s"] for r in pts], [r["compute_s"] for r in pts])
-            ratio = meas / pred if pred_how == meas_how == "found" else None
-            other_rows[name] = dict(predicted=pred, predicted_how=pred_how, measured=meas, measured_how=meas_how,
-                                    ratio=ratio, sweep=pts)
-            print(f"{name:>8} {quantity:>15} {shown(pred, pred_how):>10} {shown(meas, meas_how):>9} "
-                  f"{f'{ratio:.2f}' if ratio else '-':>6}")
-        print(f"(tp: {args.tp_layers} layers, {args.tp_heads} heads, {args.tp_rows} x {args.block} tokens on every rank; "
-              f"pp: --model={args.model}, 1f1b, micro-batches of 1 sequence; cp: --model={args.model}, ring, 1 sequence; "
-              "all float32)")
-        for name, unit, what in (("tp", "width/rank", ("all-reduces", "compute")),
-                                 ("pp", "micro", ("idle", "busy")),
-                                 ("cp", "seq/rank", ("ring hops", "attn overlapped"))):
-            if name not in other_rows:
-                continue
-            scale, fmt = (1, "{:>16.2f}") if name == "pp" else (1000, "{:>16.1f}")
-            tail = "   (pp: fractions of the step; predicted idle = step less compute)" if name == "pp" else " (ms)"
-            print(f"\n{name}: {unit:>10} {'pred ' + what[0]:>16} {'pred ' + what[1]:>16} "
-                  f"{'meas ' + what[0]:>16} {'meas ' + what[1]:>16}{tail}")
-            for r in other_rows[name]["sweep"]:
-                pc, pk = r["pred_comm_s"], r["pred_compute_s"]
-                if name == "pp":  # the prediction as shares of its step, as the log's idle_frac
-                    pc, pk = pc / (pc + pk), pk / (pc + pk)
-                print(f"    {r['x']:>10} " + " ".join(fmt.format(scale * v) for v in (pc, pk, r["comm_s"], r["compute_s"])))
+        other_rows = swept_others(args, other, config, rates, alpha, beta)
         result.update(model=args.model, block=args.block, world=args.world, params=M.param_count(config),
                       flops_per_token=fpt, compute=rates, link=link, alpha_s=alpha, beta_Bps=beta, seconds=took,
                       ddp=dict(traffic=traffic, buckets=buckets, comm_s=comm, predicted=predicted,
