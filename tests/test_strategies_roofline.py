@@ -148,3 +148,27 @@ def test_pp_costs_idle_share_is_the_bubble_without_messages():
     for m in (1, 2, 4, 8):
         idle, busy = costs(m)
         assert idle / (idle + busy) == pytest.approx(1 / (m + 1))  # 1f1b at p = 2: (p-1)/(m+p-1)
+
+
+def test_tp_trace_reader_counts_the_wire_not_the_wait_for_a_rank_still_computing(tmp_path):
+    # one step, 2 ranks (times in µs): rank 1 computes 5 ms longer before the first all-reduce, so
+    # rank 0 waits in it; rank 1, last, sends and leaves at once (0.2 ms), rank 0 gets the reply
+    # 1 ms after rank 1 arrived. Then a call they enter together, 2 ms each, in the optimizer
+    def ev(name, cat, ts, dur, rank):
+        return dict(name=name, cat=cat, ph="X", ts=ts, dur=dur, pid=rank, tid=0, args=dict(step=1))
+    events = []
+    for rank, arrive, leave in ((0, 10_000, 16_000), (1, 15_000, 15_200)):
+        events += [ev("step 1", "step", 0, 30_000, rank), ev("forward", "compute", 0, 16_000, rank),
+                   ev("all_reduce", "comm", arrive, leave - arrive, rank),
+                   ev("backward", "compute", 16_000, 4_000, rank), ev("optimizer", "compute", 20_000, 5_000, rank),
+                   ev("all_reduce", "comm", 21_000, 2_000, rank)]
+    path = tmp_path / "trace.json"
+    path.write_text(R.json.dumps(dict(traceEvents=events)))
+    comm, compute = R.trace_blocking(str(path))
+    # 1 ms from the last arrival to the last exit, then 2: not rank 0's 6 ms wait, nor rank 1's 0.2 ms
+    assert comm == pytest.approx(0.001 + 0.002)
+    assert compute == pytest.approx(0.0198)  # the slower rank 1: 16 + 4 ms of forward and backward, less its call
+    ring = [ev("ring step 0 k/v (0.1 MB)", "comm", 0, 3_000, 0), ev("ring step 0 k/v (0.1 MB)", "comm", 0, 2_000, 1),
+            ev("all_reduce", "comm", 5_000, 9_000, 0), ev("all_reduce", "comm", 5_000, 9_000, 1)]
+    path.write_text(R.json.dumps(dict(traceEvents=ring)))
+    assert R.trace_named(str(path), "ring step") == pytest.approx(0.002)  # the hops alone, the rank with least
