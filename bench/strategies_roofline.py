@@ -1,6 +1,7 @@
 """
-The roofline, measured: below how many tokens per rank does a DDP step wait for the wire?
-Predicted from this machine's measured compute rate and link, then found by running ddp.py.
+The roofline, measured: below how many tokens per rank does a DDP step wait for the wire (and
+FSDP's; below what width, micro-batches, sequence tensor parallel, the pipeline, the ring)?
+Predicted from this machine's measured compute rate and link, then found by running the scripts.
 
     python bench/strategies_roofline.py                 # ~2-4 minutes on 2 cores: measure, predict, sweep, print
     python bench/strategies_roofline.py --json out.json --svg out.svg
@@ -27,9 +28,17 @@ fsdp.py (ZeRO-3) the same way, unless --no-fsdp: predicted from the same F, α, 
 fsdp.traffic_per_rank() against forward and backward, found with --prefetch=0 from its
 trace (its collectives' time against the rest of the step).
 
-Tensor parallel (width a rank), the pipeline (micro-batches) and context parallel (sequence a
-rank) are predicted from the same F, α, β and their files' traffic_per_rank (and the
-pipeline's bubble), not swept: tp_threshold, pp_threshold, cp_threshold.
+Tensor parallel, the pipeline and context parallel the same way, in the same launch (--no-tp,
+--no-pp, --no-cp skip them): each predicted from F, α, β and its file's traffic_per_rank (and
+the pipeline's bubble) at every swept point (tp_costs, pp_costs, cp_costs), and found by
+running the script there; both curves read by crossing_loglog:
+  tp  tensor_parallel.py at each width per rank (presets of the bench's own, registered in the
+      ranks: depth and heads fixed), its blocking all-reduces against forward and backward
+      less them, from its trace; F the whole model's at that width and batch
+  pp  pipeline_parallel.py --schedule=1f1b at m micro-batches of 1 sequence: the log's
+      idle_frac (mean over the stages) against the busy share, communication-bound above 1/2
+  cp  context_parallel.py --method=ring at c positions a rank of 1 sequence: the ring's hops
+      (their spans in the trace) against the attention they overlap ((N-1)/N of attn_ms)
 
 The GPU rows apply the same threshold to data-sheet figures (plan_cluster.CLUSTERS) under the
 scaling book's assumptions (bf16 gradients, α = 0, many ranks: x* = C/W) and under this
@@ -109,9 +118,32 @@ def crossing(xs, comm, compute):
     return float(found), "found"
 
 
+def crossing_loglog(xs, comm, compute):
+    """Where a swept curve turns compute-bound as x grows, read off the points as measured
+    (no model of either side): the first x beyond which every swept point has comm < compute,
+    log(comm/compute) interpolated linearly in log x between the last communication-bound point
+    and the next -> (x*, how): "found", "below" (compute-bound at every x swept) or "above"
+    (communication-bound at the largest x swept). A noisy point that flips back to
+    communication-bound moves the crossing past it: the threshold is where the step stays
+    compute-bound, not where it first touches the line."""
+    r = [math.log(max(a, 1e-12) / max(b, 1e-12)) for a, b in zip(comm, compute)]
+    bound = [i for i, v in enumerate(r) if v >= 0]
+    if not bound:
+        return float(xs[0]), "below"
+    i = bound[-1]
+    if i == len(xs) - 1:
+        return float(xs[-1]), "above"
+    lo, hi = math.log(xs[i]), math.log(xs[i + 1])
+    return float(math.exp(lo + (hi - lo) * r[i] / (r[i] - r[i + 1]))), "found"
+
+
 # ------------------------------------------------------- tensor parallel, the pipeline, context parallel
-# Each threshold puts a strategy's own traffic_per_rank (and the pipeline's bubble) against its
-# compute at one rate F, with t = calls·α + bytes/β; predictions only (see docs/planning.md).
+# Each strategy's costs put its own traffic_per_rank (and the pipeline's bubble) against its
+# compute at one rate F, with t = calls·α + bytes/β: costs(x) -> (communication s, compute s)
+# at x, the quantity the strategy's threshold is in. The bench evaluates them at its swept
+# points (with F measured there) and reads the crossing as it reads the measured one
+# (crossing_loglog); the *_threshold functions solve the same costs for a constant F (the
+# GPU rows).
 def solve(gap, lo, hi):
     """The smallest integer x in [lo, hi] with gap(x) = communication - compute < 0, found by
     bisection (gap falls as x grows) -> x, or math.inf when communication wins even at hi."""
@@ -123,57 +155,83 @@ def solve(gap, lo, hi):
     return lo
 
 
-def tp_threshold(config, n, rate, alpha, beta, tokens, dtype="bfloat16"):
-    """Hidden width per rank (n_embd/N) above which tensor_parallel.py's step is compute-bound:
-    its all-reduces (4 a layer of b·s·h, the head's, the embedding's, the loss's 3, the norm's)
-    against the model's FLOPs split N ways. Both grow with b·s, so the batch matters only
-    through α; the width decides: compute ~ h², the bytes ~ h."""
+def gap(costs):
+    """costs(x) -> (communication, compute)  ->  x -> communication - compute, for solve()."""
+    def g(x):
+        comm, compute = costs(x)
+        return comm - compute
+    return g
+
+
+def tp_costs(config, n, rate, alpha, beta, rows, dtype="bfloat16"):
+    """tensor_parallel.py's step at hidden width `width` per rank (n_embd = width·N; depth and
+    block_size config's, `rows` sequences): its all-reduces, every one blocking (4 a layer of
+    b·s·h, the head's, the embedding's, the loss's 3, the norm's: 4L + 6 calls), against the
+    model's FLOPs split N ways. Both grow with b·s, so the batch matters only through α; the
+    width decides: compute ~ h², the bytes ~ h."""
     import dataclasses
     import tensor_parallel
-    cfg = argparse.Namespace(dtype=dtype, batch_size=1, sequence_parallel=False, recompute="none")
+    cfg = argparse.Namespace(dtype=dtype, batch_size=rows, sequence_parallel=False, recompute="none")
     calls = 4 * config.n_layer + 6
 
-    def gap(width):
-        c = dataclasses.replace(config, n_embd=width * n, n_head=1, block_size=tokens)
+    def costs(width):
+        c = dataclasses.replace(config, n_embd=width * n, n_head=1)  # the FLOPs do not depend on the heads
         comm = calls * alpha + tensor_parallel.traffic_per_rank(c, cfg, n) / beta
-        return comm - M.flops_per_token(c) * tokens / (n * rate)
-    return solve(gap, 1, 1 << 20)
+        return comm, M.flops_per_token(c) * rows * c.block_size / (n * rate)
+    return costs
+
+
+def tp_threshold(config, n, rate, alpha, beta, rows, dtype="bfloat16"):
+    """Hidden width per rank (n_embd/N) above which tensor_parallel.py's step is compute-bound."""
+    return solve(gap(tp_costs(config, n, rate, alpha, beta, rows, dtype)), 1, 1 << 20)
+
+
+def pp_costs(config, p, rate, alpha, beta, rows, schedule="1f1b"):
+    """pipeline_parallel.py's step at m micro-batches of `rows` sequences -> (idle s, compute s)
+    of a stage: step = (compute + messages)/(1 - bubble), with the messages its traffic_per_rank
+    (the boundaries' activations and gradients, 2 sends a micro-batch, the tied matrix's
+    gradient) on the critical path, idle = step - compute. Communication-bound while the idle
+    share (bubble and messages) outlasts the compute, idle fraction > 1/2: the log's idle_frac,
+    measured the same way (1 - a stage's busy time / the pipeline's span)."""
+    import pipeline_parallel
+    s = config.block_size
+
+    def costs(m):
+        cfg = argparse.Namespace(batch_size=m * rows, schedule=schedule, grad_clip=1.0, virtual_stages=1)
+        compute = M.flops_per_token(config) * m * rows * s / (p * rate)
+        comm = 2 * m * alpha + pipeline_parallel.traffic_per_rank(config, cfg, p) / beta
+        return (compute + comm) / (1 - pipeline_parallel.bubble(schedule, p, m)) - compute, compute
+    return costs
 
 
 def pp_threshold(config, p, rate, alpha, beta, rows, schedule="1f1b"):
     """Micro-batches (of `rows` sequences each) from which pipeline_parallel.py's step is
-    compute-bound: step = (compute + messages)/(1 - bubble), with the messages its
-    traffic_per_rank (the boundaries' activations and gradients, 2 sends a micro-batch, the
-    tied matrix's gradient) on the critical path; communication-bound while the idle share
-    (bubble and messages) outlasts the compute. No message: m > p-1 for 1f1b."""
-    import pipeline_parallel
-    s = config.block_size
-
-    def gap(m):
-        cfg = argparse.Namespace(batch_size=m * rows, schedule=schedule, grad_clip=1.0, virtual_stages=1)
-        compute = M.flops_per_token(config) * m * rows * s / (p * rate)
-        comm = 2 * m * alpha + pipeline_parallel.traffic_per_rank(config, cfg, p) / beta
-        return (compute + comm) / (1 - pipeline_parallel.bubble(schedule, p, m)) - 2 * compute
-    return solve(gap, 1, 1 << 16)
+    compute-bound. No message: m > p-1 for 1f1b."""
+    return solve(gap(pp_costs(config, p, rate, alpha, beta, rows, schedule)), 1, 1 << 16)
 
 
-def cp_threshold(config, n, rate, alpha, beta, rows, dtype="bfloat16"):
-    """Sequence per rank (s/N) above which context_parallel.py's ring hides behind attention:
-    its K/V hops (traffic_per_rank less the gradients' all-reduce, 3 messages a layer a hop:
-    K/V forward, again backward, dK/dV) against the blocks they overlap, 4·b·c²·h FLOPs
-    forward, 3x that with backward, half of it skipped by the causal mask. Compute ~ c², a
-    hop's bytes ~ c."""
+def cp_costs(config, n, rate, alpha, beta, rows, dtype="bfloat16"):
+    """context_parallel.py --method=ring at c positions per rank (block_size c·N, `rows`
+    sequences) -> (the ring's hops s, the attention they overlap s): its K/V hops
+    (traffic_per_rank less the gradients' all-reduce, 3 messages a layer a hop: K/V forward,
+    again backward, dK/dV) against the blocks they overlap, N-1 of a rank's N a pass (one a
+    hop), 4·b·c²·h FLOPs forward, 3x that with backward, half of it skipped by the causal mask
+    (zigzag: the diagonal's half, half of every other block). Compute ~ c², a hop's bytes ~ c."""
     import dataclasses
     import context_parallel
     cfg = argparse.Namespace(batch_size=rows, dtype=dtype, method="ring", recompute="none")
     L, h = config.n_layer, config.n_embd
 
-    def gap(c):
+    def costs(c):
         cc = dataclasses.replace(config, block_size=c * n)
         ring = context_parallel.traffic_per_rank(cc, cfg, n) - 2 * (n - 1) / n * 4 * M.param_count(cc)
-        comm = 3 * L * (n - 1) * alpha + ring / beta
-        return comm - L * (n - 1) * 6 * rows * c * c * h / rate
-    return solve(gap, 1, 1 << 24)
+        return 3 * L * (n - 1) * alpha + ring / beta, L * (n - 1) * 6 * rows * c * c * h / rate
+    return costs
+
+
+def cp_threshold(config, n, rate, alpha, beta, rows, dtype="bfloat16"):
+    """Sequence per rank (s/N) above which context_parallel.py's ring hides behind attention."""
+    return solve(gap(cp_costs(config, n, rate, alpha, beta, rows, dtype)), 1, 1 << 24)
 
 
 # A large model for the GPU rows: LLaMA-3-70B's width and depth, GPT-2's block (MLP 4h)
@@ -192,10 +250,10 @@ def gpu_other_rows(clusters, n=8):
     for gpu, cl in clusters.items():
         for where, bw, hop in (("node", cl["nvlink_bw"], P.LAT_NVLINK), ("across", cl["ib_bw"], P.LAT_IB)):
             ar, p2p = P.LAT_CALL + 2 * (n - 1) * hop, P.LAT_CALL + hop  # an all-reduce's α, a send's
-            tp = tp_threshold(config, n, cl["peak"], ar, bw, config.block_size)
+            tp = tp_threshold(config, n, cl["peak"], ar, bw, 1)
             rows.append(dict(gpu=gpu, where=where, n=n, tp_width=tp,
                              tp_max=max(k for k in range(1, 1025) if config.n_embd / k >= tp_threshold(
-                                 config, k, cl["peak"], ar, bw, config.block_size)) if n > 1 else 1,
+                                 config, k, cl["peak"], ar, bw, 1)) if n > 1 else 1,
                              pp_micro=pp_threshold(config, n, cl["peak"], p2p, bw, 1),
                              cp_seq=cp_threshold(config, n, cl["peak"], p2p, bw, 1),
                              tp_published=PUBLISHED_TP.get((gpu, where))))
@@ -301,6 +359,52 @@ def job_main(rank, world, script, runs):
     return out
 
 
+def job_presets(rank, world, presets):
+    """Registers the bench's own presets in this rank (tensor parallel's widths: model.py has no
+    width flag, and a preset is what --model reads), for the jobs after it."""
+    M.PRESETS.update(presets)
+
+
+def trace_events(path):
+    """A trace's complete events -> {(step, rank): [events]}."""
+    per = {}
+    for e in json.load(open(path))["traceEvents"]:
+        if e.get("ph") == "X":
+            per.setdefault((e["args"]["step"], e["pid"]), []).append(e)
+    return per
+
+
+def trace_blocking(path):
+    """tensor_parallel.py's trace -> (communication s, compute s) a step: its all-reduces are
+    blocking (each a "comm" span on the rank's main row, inside forward, backward or the
+    optimizer), all of them exposed. The communication: call by call (every rank issues the
+    same ones in the same order; the ranks share the machine's clock), from the moment the last
+    rank arrived to the moment the last one left, summed: what the wire and the protocol cost,
+    without the wait for a rank still computing (skew, not communication; the last to arrive
+    alone would miss the reply the others were still waiting for). The compute: forward and
+    backward less the all-reduces inside them, on the slower rank. Medians over the steps."""
+    calls, compute = {}, {}
+    for (step, rank), events in sorted(trace_events(path).items()):
+        work = [(e["ts"], e["ts"] + e["dur"]) for e in events if e["name"] in ("forward", "backward")]
+        mine = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e["cat"] == "comm")
+        inside = sum(b - a for a, b in mine if any(lo <= a < hi for lo, hi in work))
+        calls.setdefault(step, []).append(mine)
+        compute.setdefault(step, []).append((sum(b - a for a, b in work) - inside) / 1e6)
+    comm = [sum(max(0.0, max(b for _, b in call) - max(a for a, _ in call)) for call in zip(*ranks)) / 1e6
+            for ranks in calls.values()]
+    return statistics.median(comm), statistics.median(map(max, compute.values()))
+
+
+def trace_named(path, prefix):
+    """Median over the traced steps of the sum of the spans whose name starts with `prefix`, on
+    the rank with the least (s): context_parallel.py's ring hops ("ring step"), each the
+    transfer's time on the group's worker, whatever overlaps it."""
+    per = {}
+    for (step, rank), events in trace_events(path).items():
+        per.setdefault(step, []).append(sum(e["dur"] for e in events if e["name"].startswith(prefix)) / 1e6)
+    return statistics.median(map(min, per.values()))
+
+
 def trace_comm_compute(path):
     """fsdp.py --prefetch=0's trace -> (communication s, compute s) a step: the communication the
     sum of its collectives' spans on the rank that waited least (min: the others' extra wait is
@@ -337,42 +441,68 @@ def synthetic_data(folder, vocab, n=200_000):
     json.dump(dict(vocab_size=vocab), open(os.path.join(folder, "meta.json"), "w"))
 
 
+def tp_preset(args, width):
+    """The tensor-parallel sweep's model at `width` per rank: depth and heads fixed, so only the
+    width changes (heads divide by the ranks, the width by the heads)."""
+    return f"roofline_h{width * args.world}", dict(n_layer=args.tp_layers, n_head=args.tp_heads,
+                                                   n_embd=width * args.world, block_size=args.block)
+
+
 def measure(args, tmp):
     data = os.path.join(tmp, "data")
     os.makedirs(data)
     synthetic_data(data, args.vocab)
-    common = [f"--model={args.model}", f"--block_size={args.block}", f"--data_dir={data}", f"--bucket_mb={args.bucket_mb}",
+    common = [f"--model={args.model}", f"--block_size={args.block}", f"--data_dir={data}",
               f"--max_iters={args.iters}", "--eval_interval=0", "--log_interval=0", "--dtype=float32"]
-    runs = []
-    for rows in args.rows:
-        b = rows * args.world
-        runs.append(common + [f"--batch_size={b}", "--mode=bucketed", f"--trace={tmp}/b{rows}.json",
-                              f"--trace_steps=1-{args.iters - 1}"])
-        runs.append(common + [f"--batch_size={b}", "--mode=overlap"])
+    traced = f"--trace_steps=1-{args.iters - 1}"  # iteration 0 is warm-up
     mib = 1 << 20
     sizes = [mib // 4, mib // 2, mib, 2 * mib, 4 * mib]  # around ddp.py's buckets (--bucket_mb)
-    # each x's compute rate is measured just before its ddp.py runs: on a shared machine the load
+    # Every job runs in the one launch of 2 ranks, in order; keys name their results.
+    # Each x's compute rate is measured just before its ddp.py runs: on a shared machine the load
     # drifts over minutes, and a rate taken once at the start would predict for another machine
-    jobs = [("job_link", (sizes, args.reps))]
-    for i, rows in enumerate(args.rows):
-        jobs += [("job_compute", (args.model, args.vocab, args.block, [rows], args.reps)),
-                 ("job_main", ("ddp", runs[2 * i:2 * i + 2]))]
-        if args.fsdp:  # ZeRO-3 with nothing prefetched: every gather waited for, its time in the trace
-            jobs.append(("job_main", ("fsdp", [[a for a in common if "bucket" not in a] + [
-                f"--batch_size={rows * args.world}", "--prefetch=0", f"--trace={tmp}/f{rows}.json",
-                f"--trace_steps=1-{args.iters - 1}"]])))
-    t0 = time.time()
-    link, *rest = launch(jobs, args.world)
-    took = time.time() - t0
-    k = 3 if args.fsdp else 2
-    compute = [c for c in rest[0::k] for c in c]
-    logs = [log for pair in rest[1::k] for log in pair]
-    sweep = []
-    for i, rows in enumerate(args.rows):
-        bucketed, overlap = logs[2 * i][1:], logs[2 * i + 1][1:]  # iteration 0 is warm-up
+    keys, jobs = [], []
 
-        def med(recs, key, pick=max):
-            return statistics.median(pick(r[key]) if isinstance(r[key], list) else r[key] for r in recs) / 1000
+    def add(key, fn, *a):
+        keys.append(key)
+        jobs.append((fn, a))
+    add("link", "job_link", sizes, args.reps)
+    for rows in args.rows:
+        b = rows * args.world
+        add(("rate", rows), "job_compute", args.model, args.vocab, args.block, [rows], args.reps)
+        add(("ddp", rows), "job_main", "ddp", [
+            common + [f"--bucket_mb={args.bucket_mb}", f"--batch_size={b}", "--mode=bucketed",
+                      f"--trace={tmp}/b{rows}.json", traced],
+            common + [f"--bucket_mb={args.bucket_mb}", f"--batch_size={b}", "--mode=overlap"]])
+        if args.fsdp:  # ZeRO-3 with nothing prefetched: every gather waited for, its time in the trace
+            add(("fsdp", rows), "job_main", "fsdp", [common + [f"--batch_size={b}", "--prefetch=0",
+                                                               f"--trace={tmp}/f{rows}.json", traced]])
+    if args.tp:  # the whole batch on every rank; the rate of the whole model at that width just before
+        presets = dict(tp_preset(args, w) for w in args.tp_widths)
+        M.PRESETS.update(presets)  # here too: the predictions read the same configs
+        add("presets", "job_presets", presets)
+        for w in args.tp_widths:
+            name = tp_preset(args, w)[0]
+            add(("tp_rate", w), "job_compute", name, args.vocab, args.block, [args.tp_rows], args.reps)
+            add(("tp", w), "job_main", "tensor_parallel", [common[1:] + [
+                f"--model={name}", f"--batch_size={args.tp_rows}", f"--trace={tmp}/t{w}.json", traced]])
+    if args.pp:  # p = the ranks, micro-batches of one sequence
+        add("pp", "job_main", "pipeline_parallel", [common + [f"--n_micro={m}", f"--batch_size={m}", "--schedule=1f1b"]
+                                                    for m in args.pp_micro])
+    if args.cp:  # one sequence of c a rank, the ring's hops traced
+        add("cp", "job_main", "context_parallel", [
+            [a for a in common if "block_size" not in a] + [f"--block_size={c * args.world}", "--batch_size=1",
+                                                            "--method=ring", f"--trace={tmp}/c{c}.json", traced]
+            for c in args.cp_seq])
+    t0 = time.time()
+    got = dict(zip(keys, launch(jobs, args.world)))
+    took = time.time() - t0
+
+    def med(recs, key, pick=max):
+        return statistics.median(pick(r[key]) if isinstance(r[key], list) else r[key] for r in recs[1:]) / 1000
+    compute = [c for rows in args.rows for c in got[("rate", rows)]]
+    sweep = []
+    for rows in args.rows:
+        bucketed, overlap = got[("ddp", rows)]
         # the all-reduce's time is the rank that arrived last's wait (min over ranks): the others
         # also wait for it to finish its backward, which is skew between the ranks, not the wire
         sweep.append(dict(tokens=rows * args.block, comm_s=med(bucketed, "exposed_comm_ms", min),
@@ -381,7 +511,29 @@ def measure(args, tmp):
                           bucketed_step_s=med(bucketed, "dt_ms")))
         if args.fsdp:
             sweep[-1]["fsdp_comm_s"], sweep[-1]["fsdp_compute_s"] = trace_comm_compute(f"{tmp}/f{rows}.json")
-    return compute, link, sweep, took
+    other = {}
+    if args.tp:
+        other["tp"] = []
+        for w in args.tp_widths:
+            (x, f, b), = got[("tp_rate", w)]
+            comm, comp = trace_blocking(f"{tmp}/t{w}.json")
+            other["tp"].append(dict(x=w, rate=M.flops_per_token(M.make_config(tp_preset(args, w)[0], args.vocab))
+                                    * x / (f + b), comm_s=comm, compute_s=comp))
+    if args.pp:
+        # the pipeline's idle share, mean over the stages: (idle, busy) as fractions of the step
+        other["pp"] = []
+        for m, log in zip(args.pp_micro, got["pp"]):
+            idle = statistics.median(statistics.mean(r["idle_frac"]) for r in log[1:])
+            other["pp"].append(dict(x=m, comm_s=idle, compute_s=1 - idle, step_s=med(log, "dt_ms")))
+    if args.cp:
+        # the hops against the attention they overlap: N-1 of each pass's N blocks (zigzag: all
+        # the same size), (N-1)/N of the log's attn_ms -- what cp_costs computes, read off the run
+        other["cp"] = []
+        for c, log in zip(args.cp_seq, got["cp"]):
+            other["cp"].append(dict(x=c, comm_s=trace_named(f"{tmp}/c{c}.json", "ring step"),
+                                    compute_s=(args.world - 1) / args.world * med(log, "attn_ms"),
+                                    wait_s=med(log, "attn_wait_ms"), step_s=med(log, "dt_ms")))
+    return compute, got["link"], sweep, other, took
 
 
 # ---------------------------------------------------------------------------------- reporting
@@ -422,6 +574,59 @@ def picture(path, sweep, predicted, found):
     print(f"picture: {path}")
 
 
+def shown(x, how):
+    """A threshold as the table prints it: the crossing, or past which end of the sweep it lies."""
+    x = f"{x:,.0f}" if x >= 10 else f"{x:.1f}"
+    return {"found": x, "below": f"< {x}", "above": f"> {x}"}[how]
+
+
+def swept_others(args, other, config, rates, alpha, beta):
+    """tp, pp and cp's rows of the table, and each sweep point by point: predicted from their costs
+    at each swept point and read as the measured curves are (crossing_loglog), one definition on
+    both sides; α an all-reduce's, half of it a send's (2 ring steps at 2 ranks); F the rate
+    measured at that point's tokens -> name -> thresholds and sweep, for --json."""
+    def rate_at(x):  # F of the whole model at x tokens, read off the DDP sweep (log-log)
+        return math.exp(np.interp(math.log(x), *np.log(np.array(rates)).T))
+    specs = dict(
+        tp=("width per rank", lambda r: tp_costs(M.make_config(tp_preset(args, r["x"])[0], args.vocab), args.world,
+                                                r["rate"], alpha, beta, args.tp_rows, "float32")),
+        pp=("micro-batches", lambda r: pp_costs(config, args.world, rate_at(args.block), alpha / 2, beta, 1)),
+        cp=("sequence/rank", lambda r: cp_costs(config, args.world, rate_at(r["x"]), alpha / 2, beta, 1, "float32")))
+    rows = {}
+    for name, (quantity, costs) in specs.items():
+        if name not in other:
+            print(f"{name:>8} {quantity:>15} {'-':>10} {'not swept':>9} {'-':>6}")
+            continue
+        pts = other[name]
+        for r in pts:
+            r["pred_comm_s"], r["pred_compute_s"] = costs(r)(r["x"])
+        xs = [r["x"] for r in pts]
+        pred, pred_how = crossing_loglog(xs, [r["pred_comm_s"] for r in pts], [r["pred_compute_s"] for r in pts])
+        meas, meas_how = crossing_loglog(xs, [r["comm_s"] for r in pts], [r["compute_s"] for r in pts])
+        ratio = meas / pred if pred_how == meas_how == "found" else None
+        rows[name] = dict(predicted=pred, predicted_how=pred_how, measured=meas, measured_how=meas_how,
+                          ratio=ratio, sweep=pts)
+        print(f"{name:>8} {quantity:>15} {shown(pred, pred_how):>10} {shown(meas, meas_how):>9} "
+              f"{f'{ratio:.2f}' if ratio else '-':>6}")
+    print(f"(tp: {args.tp_layers} layers, {args.tp_heads} heads, {args.tp_rows} x {args.block} tokens on every rank; "
+          f"pp: --model={args.model}, 1f1b, micro-batches of 1 sequence; cp: --model={args.model}, ring, 1 sequence; "
+          "all float32)")
+    for name, unit, what in (("tp", "width/rank", ("all-reduces", "compute")), ("pp", "micro", ("idle", "busy")),
+                             ("cp", "seq/rank", ("ring hops", "attn overlapped"))):
+        if name not in rows:
+            continue
+        scale, fmt = (1, "{:>16.2f}") if name == "pp" else (1000, "{:>16.1f}")
+        tail = "   (pp: fractions of the step; predicted idle = step less compute)" if name == "pp" else " (ms)"
+        print(f"\n{name}: {unit:>10} {'pred ' + what[0]:>16} {'pred ' + what[1]:>16} "
+              f"{'meas ' + what[0]:>16} {'meas ' + what[1]:>16}{tail}")
+        for r in rows[name]["sweep"]:
+            pc, pk = r["pred_comm_s"], r["pred_compute_s"]
+            if name == "pp":  # the prediction as shares of its step, as the log's idle_frac
+                pc, pk = pc / (pc + pk), pk / (pc + pk)
+            print(f"    {r['x']:>10} " + " ".join(fmt.format(scale * v) for v in (pc, pk, r["comm_s"], r["compute_s"])))
+    return rows
+
+
 def print_gpu(rows):
     print("\nData parallelism on GPUs: compute-bound above x* tokens per GPU (same threshold, data-sheet C and W)")
     print(f"{'GPU':>5} {'link':>7} {'C TFLOP/s':>10} {'W GB/s':>7} {'book assumptions':>17} {'published':>10} "
@@ -459,10 +664,27 @@ def main(argv=None):
     p.add_argument("--svg", default="", help="draw the sweep here")
     p.add_argument("--fsdp", action=argparse.BooleanOptionalAction, default=True,
                    help="sweep fsdp.py (ZeRO-3) too (--no-fsdp: DDP alone, a third faster)")
+    for name, what in (("tp", "tensor_parallel.py over the width"), ("pp", "pipeline_parallel.py over the micro-batches"),
+                       ("cp", "context_parallel.py --method=ring over the sequence")):
+        p.add_argument(f"--{name}", action=argparse.BooleanOptionalAction, default=True, help=f"sweep {what}")
+    p.add_argument("--tp_widths", type=int, nargs="+", default=[32, 64, 128, 256, 512],
+                   help="hidden width per rank (n_embd / ranks), swept")
+    p.add_argument("--tp_layers", type=int, default=4, help="the tensor-parallel sweep's depth, fixed")
+    p.add_argument("--tp_heads", type=int, default=4, help="its heads, fixed (divisible by the ranks)")
+    p.add_argument("--tp_rows", type=int, default=16, help="its batch: sequences of --block, on every rank")
+    p.add_argument("--pp_micro", type=int, nargs="+", default=[1, 2, 4, 8], help="micro-batches of 1 sequence, swept")
+    p.add_argument("--cp_seq", type=int, nargs="+", default=[16, 32, 64, 128, 256, 512, 1024],
+                   help="positions per rank (block_size / ranks) of 1 sequence, swept")
     p.add_argument("--gpus_only", action="store_true")
     args = p.parse_args(argv)
     if args.iters < 3 or min(args.rows) < 1 or args.world < 2:
         sys.exit("error: --iters must be at least 3, --rows positive, --world at least 2")
+    if args.tp and (args.tp_heads % args.world or any(w * args.world % args.tp_heads for w in args.tp_widths)):
+        sys.exit(f"error: --tp_heads must divide by the {args.world} ranks, and every width x ranks by the heads")
+    if args.cp and any(c % 2 or c < 2 for c in args.cp_seq):  # zigzag: two chunks a rank
+        sys.exit("error: --cp_seq must be even (the zigzag layout gives each rank two chunks)")
+    if args.pp and min(args.pp_micro) < 1:
+        sys.exit("error: --pp_micro must be positive")
     import plan_cluster
     gpu = gpu_dp_rows(plan_cluster.CLUSTERS)
     result = dict(gpu=gpu)
@@ -471,7 +693,7 @@ def main(argv=None):
         config = M.make_config(args.model, args.vocab, args.block)
         fpt = M.flops_per_token(config)
         with tempfile.TemporaryDirectory() as tmp:
-            compute, link, sweep, took = measure(args, tmp)
+            compute, link, sweep, other, took = measure(args, tmp)
         rates = [(x, fpt * x / (f + b)) for x, f, b in compute]
         alpha, beta = fit_link([2 * (args.world - 1) / args.world * s for s, _ in link], [t for _, t in link])
         cfg = argparse.Namespace(grad_accum=1)
@@ -497,8 +719,6 @@ def main(argv=None):
             print(f"{s['tokens']:>11} {1000 * s['comm_s']:>14.1f} {1000 * s['backward_s']:>12.1f} "
                   f"{s['comm_s'] / s['backward_s']:>9.2f} {1000 * s['step_s']:>17.1f} {1000 * s['exposed_s']:>11.1f} "
                   f"{1000 * s['bucketed_step_s']:>17.1f}")
-        def shown(x, how):
-            return {"found": f"{x:,.0f}", "below": f"< {x}", "above": f"> {x}"}[how]
         ratio = found / predicted if how == predicted_how == "found" else None
         print(f"\n{'strategy':>8} {'quantity':>15} {'predicted':>10} {'measured':>9} {'ratio':>6}")
         print(f"{'ddp':>8} {'tokens per rank':>15} {shown(predicted, predicted_how):>10} {shown(found, how):>9} "
@@ -517,25 +737,13 @@ def main(argv=None):
             fs_ratio = fs_found / fs_pred if fs_how == fs_found_how == "found" else None
         print(f"{'fsdp':>8} {'tokens per rank':>15} {shown(fs_pred, fs_how):>10} "
               f"{shown(fs_found, fs_found_how) if args.fsdp else 'not swept':>9} {f'{fs_ratio:.2f}' if fs_ratio else '-':>6}")
-        # tp, pp, cp: predicted only (no sweep; docs/planning.md says why), at the best rate measured
-        # (the largest x's matmuls), α an all-reduce's, half of it a send's (2 ring steps at 2 ranks)
-        best = max(f for _, f in rates)
-        others = dict(tp=tp_threshold(config, args.world, best, alpha, beta, args.block * max(args.rows), "float32"),
-                      pp=pp_threshold(config, args.world, best, alpha / 2, beta, 1),
-                      cp=cp_threshold(config, args.world, best, alpha / 2, beta, 1, "float32"))
-        for name, quantity in (("tp", "width per rank"), ("pp", "micro-batches"), ("cp", "sequence/rank")):
-            x = others[name]
-            print(f"{name:>8} {quantity:>15} {'>= ' + format(x, ',') if x != math.inf else 'never':>10} "
-                  f"{'not swept':>9} {'-':>6}")
-        print(f"(tp: --model={args.model} has n_embd {config.n_embd}, {config.n_embd // args.world} a rank; "
-              f"pp: micro-batches of 1 sequence; cp: 1 sequence, float32)")
+        other_rows = swept_others(args, other, config, rates, alpha, beta)
         result.update(model=args.model, block=args.block, world=args.world, params=M.param_count(config),
                       flops_per_token=fpt, compute=rates, link=link, alpha_s=alpha, beta_Bps=beta, seconds=took,
                       ddp=dict(traffic=traffic, buckets=buckets, comm_s=comm, predicted=predicted,
                                predicted_how=predicted_how, measured=found, measured_how=how, sweep=sweep),
                       fsdp=dict(traffic=fs_traffic, comm_s=fs_comm, predicted=fs_pred, predicted_how=fs_how,
-                                measured=fs_found, measured_how=fs_found_how),
-                      predicted_only={k: (None if v == math.inf else v) for k, v in others.items()})
+                                measured=fs_found, measured_how=fs_found_how), **other_rows)
         if args.svg:
             picture(args.svg, sweep, predicted if predicted_how == "found" else None, found if how == "found" else None)
     print_gpu(gpu)

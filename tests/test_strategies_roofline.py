@@ -97,3 +97,78 @@ def test_solve_finds_the_first_compute_bound_x():
     assert R.solve(lambda x: 100 - x, 1, 1000) == 101
     assert R.solve(lambda x: -1, 1, 1000) == 1
     assert R.solve(lambda x: 1, 1, 1000) == math.inf
+
+
+def test_loglog_crossing_reads_a_measured_curve_between_its_two_points():
+    xs = [1, 2, 4, 8, 16]
+    # communication flat at 10, compute 2.5·x: equal at x = 4, a swept point
+    found, how = R.crossing_loglog(xs, [10.0] * 5, [2.5 * x for x in xs])
+    assert how == "found" and found == pytest.approx(4)
+    # between two points: comm/compute = 8/x falls as a power law, so log-log is exact (8)
+    found, how = R.crossing_loglog([2, 4, 16, 32], [8.0] * 4, [1.0 * x for x in [2, 4, 16, 32]])
+    assert how == "found" and found == pytest.approx(8)
+    assert R.crossing_loglog(xs, [1.0] * 5, [2.0] * 5) == (1, "below")    # compute-bound throughout
+    assert R.crossing_loglog(xs, [3.0] * 5, [2.0] * 5) == (16, "above")   # communication-bound throughout
+    assert R.crossing_loglog(xs, [10, 10, 10, 10, 50], [2.5 * x for x in xs]) == (16, "above")  # bound at the end
+    # noise: a point that flips back to communication-bound moves the crossing past it
+    found, how = R.crossing_loglog(xs, [10, 10, 3, 30, 10], [2.5 * x for x in xs])
+    assert how == "found" and 8 < found < 16
+    # the pipeline's reading: idle and busy shares of the step cross at an idle fraction of 1/2
+    idle = [0.6, 0.4, 0.3]
+    found, how = R.crossing_loglog([1, 2, 4], idle, [1 - f for f in idle])
+    assert how == "found" and 1 < found < 2
+
+
+def test_costs_and_thresholds_are_one_definition():
+    # each threshold is the first integer at which its costs turn compute-bound
+    config = R.M.GPTConfig(n_layer=4, n_head=4, n_embd=64, block_size=16, vocab_size=64)
+    tp = (config, 2, 1e10, 1e-3, 1e9, 8, "float32")
+    pp = (config, 2, 1e9, 1e-3, 1e9, 1)
+    cp = (config, 2, 1e10, 1e-3, 1e9, 1, "float32")
+    for costs, threshold in ((R.tp_costs(*tp), R.tp_threshold(*tp)), (R.pp_costs(*pp), R.pp_threshold(*pp)),
+                             (R.cp_costs(*cp), R.cp_threshold(*cp))):
+        assert math.isfinite(threshold) and threshold > 1
+        comm, compute = costs(threshold)
+        assert comm < compute
+        comm, compute = costs(threshold - 1)
+        assert comm >= compute
+
+
+def test_tp_costs_scale_with_the_batch_only_through_latency():
+    config = R.M.GPTConfig(n_layer=4, n_head=4, n_embd=64, block_size=16, vocab_size=64)
+    one, eight = (R.tp_costs(config, 2, 1e10, 0.0, 1e9, rows, "float32") for rows in (1, 8))
+    for w in (16, 128):
+        (c1, k1), (c8, k8) = one(w), eight(w)
+        assert k8 == pytest.approx(8 * k1) and c8 == pytest.approx(8 * c1, rel=1e-3)  # the norm's 4 bytes aside
+
+
+def test_pp_costs_idle_share_is_the_bubble_without_messages():
+    config = R.M.GPTConfig(n_layer=8, n_embd=64, block_size=32, vocab_size=64)
+    costs = R.pp_costs(config, 2, 1e9, 0.0, math.inf, 1)
+    for m in (1, 2, 4, 8):
+        idle, busy = costs(m)
+        assert idle / (idle + busy) == pytest.approx(1 / (m + 1))  # 1f1b at p = 2: (p-1)/(m+p-1)
+
+
+def test_tp_trace_reader_counts_the_wire_not_the_wait_for_a_rank_still_computing(tmp_path):
+    # one step, 2 ranks (times in µs): rank 1 computes 5 ms longer before the first all-reduce, so
+    # rank 0 waits in it; rank 1, last, sends and leaves at once (0.2 ms), rank 0 gets the reply
+    # 1 ms after rank 1 arrived. Then a call they enter together, 2 ms each, in the optimizer
+    def ev(name, cat, ts, dur, rank):
+        return dict(name=name, cat=cat, ph="X", ts=ts, dur=dur, pid=rank, tid=0, args=dict(step=1))
+    events = []
+    for rank, arrive, leave in ((0, 10_000, 16_000), (1, 15_000, 15_200)):
+        events += [ev("step 1", "step", 0, 30_000, rank), ev("forward", "compute", 0, 16_000, rank),
+                   ev("all_reduce", "comm", arrive, leave - arrive, rank),
+                   ev("backward", "compute", 16_000, 4_000, rank), ev("optimizer", "compute", 20_000, 5_000, rank),
+                   ev("all_reduce", "comm", 21_000, 2_000, rank)]
+    path = tmp_path / "trace.json"
+    path.write_text(R.json.dumps(dict(traceEvents=events)))
+    comm, compute = R.trace_blocking(str(path))
+    # 1 ms from the last arrival to the last exit, then 2: not rank 0's 6 ms wait, nor rank 1's 0.2 ms
+    assert comm == pytest.approx(0.001 + 0.002)
+    assert compute == pytest.approx(0.0198)  # the slower rank 1: 16 + 4 ms of forward and backward, less its call
+    ring = [ev("ring step 0 k/v (0.1 MB)", "comm", 0, 3_000, 0), ev("ring step 0 k/v (0.1 MB)", "comm", 0, 2_000, 1),
+            ev("all_reduce", "comm", 5_000, 9_000, 0), ev("all_reduce", "comm", 5_000, 9_000, 1)]
+    path.write_text(R.json.dumps(dict(traceEvents=ring)))
+    assert R.trace_named(str(path), "ring step") == pytest.approx(0.002)  # the hops alone, the rank with least
