@@ -45,6 +45,8 @@ scaling book's assumptions (bf16 gradients, α = 0, many ranks: x* = C/W) and un
 code's (float32 gradients, 2(N-1)/N).
 """
 import argparse
+import contextlib
+import io
 import json
 import math
 import multiprocessing as mp
@@ -327,8 +329,11 @@ def job_compute(rank, world, preset, vocab, block, rows_list, reps):
     return res
 
 
-def job_link(rank, world, sizes, reps):
-    """collectives.py's all_reduce of each size (bytes, float32) -> median seconds, slower rank."""
+def job_link(rank, world, sizes, reps, burst=6):
+    """collectives.py's all_reduce of each size (bytes, float32) -> median seconds a call, slower
+    rank. Each round is `burst` calls back to back after a barrier, as a step's buckets follow
+    one another (ddp.py's 6 on the tiny preset): a call timed alone after a barrier, both ranks
+    idle, measured up to twice the time the same bytes take inside a step on this machine."""
     import torch
     import collectives as C
     res = []
@@ -338,9 +343,10 @@ def job_link(rank, world, sizes, reps):
         for k in range(reps + 1):
             C.barrier()
             t0 = time.perf_counter()
-            C.all_reduce(buf, op="avg")
+            for _ in range(burst):
+                C.all_reduce(buf, op="avg")
             if k:
-                ts.append(time.perf_counter() - t0)
+                ts.append((time.perf_counter() - t0) / burst)
         t = torch.tensor([statistics.median(ts)], dtype=torch.float64)
         C.all_reduce(t, op="max")
         res.append((size, t.item()))
@@ -355,7 +361,8 @@ def job_main(rank, world, script, runs):
     out = []
     for argv in runs:
         C.barrier()
-        out.append(main(argv))
+        with contextlib.redirect_stdout(io.StringIO()):  # the scripts' own lines: the bench prints its table
+            out.append(main(argv))
     return out
 
 
