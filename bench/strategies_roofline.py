@@ -3,7 +3,7 @@ The roofline, measured: below how many tokens per rank does a DDP step wait for 
 FSDP's; below what width, micro-batches, sequence tensor parallel, the pipeline, the ring)?
 Predicted from this machine's measured compute rate and link, then found by running the scripts.
 
-    python bench/strategies_roofline.py                 # ~2-4 minutes on 2 cores: measure, predict, sweep, print
+    python bench/strategies_roofline.py                 # ~100 s on an idle 2-core machine: measure, predict, sweep, print
     python bench/strategies_roofline.py --json out.json --svg out.svg
     python bench/strategies_roofline.py --gpus_only     # the H100/H200/B200 rows alone (a calculation, instant)
 
