@@ -302,6 +302,7 @@ def _run_all(rank, world, train_args, out, cross=None):
                                                            f"--resume={out}/ckpt/step_{AT:06d}"])[0]
         for m in (1, 4):
             results[("bf16", m)] = _quiet(PP.main, train_args + BF16_ARGS + [f"--n_micro={m}"])[0]
+        results[("bf16 zbv", 4)] = _quiet(PP.main, train_args + BF16_ARGS + ["--n_micro=4", "--schedule=zbv"])[0]
         results["zb_full"] = _quiet(PP.main, train_args + FULL_RECOMPUTE)[0]
     if world == 3:  # 1F1B on 3 stages from the checkpoint of interleaved on 2 x 2 chunks
         path = os.path.join(out, "pp_cross.pt")
@@ -493,13 +494,16 @@ def test_bf16_sends_float32_and_follows_the_reference(runs, train_args, referenc
     under autocast), so the bytes are the formula's, and the loss follows the one-process
     bf16 run of ddp.py within bf16's rounding. With one micro-batch the first step computes
     exactly what the one-process run does; a bf16 boundary would halve the bytes and move
-    that loss by 1.4e-5 (measured)."""
+    that loss by 1.4e-5 (measured). ZB-V too: its linears' B and W go through deferred_linear,
+    which casts as autocast casts F.linear's inputs, so W's dW is autocast's."""
     ref = reference_bf16
-    config, cfg = M.make_config("tiny", VOCAB, block_size=BLOCK), M.parse_args(PP.DEFAULTS, train_args + BF16_ARGS)
-    for m in (1, 4):
-        records = runs(2)[("bf16", m)]
+    config = M.make_config("tiny", VOCAB, block_size=BLOCK)
+    for key in (("bf16", 1), ("bf16", 4), ("bf16 zbv", 4)):
+        flags = ["--schedule=zbv"] if key[0] == "bf16 zbv" else []
+        cfg = M.parse_args(PP.DEFAULTS, train_args + BF16_ARGS + [f"--n_micro={key[1]}"] + flags)
+        records = runs(2)[key]
         for r in records:
-            check_traffic(r, config, cfg, 2, f"bf16, {m} micro-batches")
+            check_traffic(r, config, cfg, 2, f"{key[0]}, {key[1]} micro-batches")
         assert_logs_match(records, ref, BF16_TOL)
     assert abs(runs(2)[("bf16", 1)][0]["loss"] - ref[0]["loss"]) <= 1e-6  # 0 measured; 2 float32 steps at 5
 
