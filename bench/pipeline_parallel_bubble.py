@@ -16,7 +16,8 @@ B + W (the input's gradient, then the weights' from the W store) against one ful
 where W's dW = dYᵀx is moved work rather than added work (at tiny's h = 96 it is not).
 
 ms/step is the best of --rounds rounds (each schedule run once a round, in turn), the
-median step of each run: on a shared machine the best round is the least disturbed.
+median step of each run: on a shared machine the best round is the least disturbed. "each
+round" gives the ratio to 1F1B within every round, to show the spread.
 Idle = 1 - (time in forward and backward) / (first forward to last backward of the
 step), averaged over the steps after the first two. On a 2-core CPU, 4 stages
 share 2 cores: a stage that waits lends its core to one that works, so the
@@ -106,16 +107,19 @@ def main():
         print(f"pipeline_parallel.py --model={args.model} --batch_size={args.batch_size} "
               f"--block_size={args.block_size}, mean of iterations 2..{args.iters - 1}, "
               f"ms/step the best of {args.rounds} rounds; load average {os.getloadavg()[0]:.1f} at the start")
-        results = {}
+        results, rounds = {}, {}  # rounds: (p, m, schedule) -> ms/step of each round
         for _ in range(args.rounds):
             for p, m in at:
                 for schedule in args.schedules:
                     res, err = run(schedule, p, m, args, tmp)
+                    if not err:
+                        rounds.setdefault((p, m, schedule), []).append(res["ms"])
                     old = results.get((p, m, schedule))
                     if old is None or (not err and (old[1] or res["ms"] < old[0]["ms"])):  # the fastest round
                         results[(p, m, schedule)] = res, err
         print(f"{'schedule':>11} {'p':>2} {'m':>3} {'idle per stage (measured)':>28} {'mean':>6} {'formula':>7} "
-              f"{'ms/step':>8} {'vs 1f1b':>7} {'micro-batches held':>19} {'peak activations MB per stage':>30}")
+              f"{'ms/step':>8} {'vs 1f1b':>7} {'each round':>16} {'micro-batches held':>19} "
+              f"{'peak activations MB per stage':>30}")
         for p, m in at:
             base = results.get((p, m, "1f1b"), (None,))[0]
             for schedule in args.schedules:
@@ -127,8 +131,13 @@ def main():
                 held = " ".join(str(h) for h in res["held"])
                 act = " ".join(f"{b:.1f}" for b in res["act_mb"])
                 ratio = f"{res['ms'] / base['ms']:.2f}" if base else "-"
+                # the same ratio within each round, a schedule against the 1F1B run just before it:
+                # a drift of the machine's speed over the minutes moves both alike
+                each = " ".join(f"{a / b:.2f}" for a, b in zip(rounds.get((p, m, schedule), []),
+                                                               rounds.get((p, m, "1f1b"), []))) if base else "-"
                 print(f"{schedule:>11} {p:>2} {m:>3} {idle:>28} {statistics.mean(res['idle']):>6.2f} "
-                      f"{res['theory']:>7.2f} {res['ms']:>8.0f} {ratio:>7} {held:>19} {act:>30}", flush=True)
+                      f"{res['theory']:>7.2f} {res['ms']:>8.0f} {ratio:>7} {each:>16} {held:>19} {act:>30}",
+                      flush=True)
     full, b, w, f = split_cost(args)
     print(f"one process, per micro-batch of {args.batch_size // 4}: forward {1000 * f:.1f} ms, one full backward "
           f"{1000 * full:.1f} ms; B {1000 * b:.1f} + W {1000 * w:.1f} = {1000 * (b + w):.1f} ms, "
