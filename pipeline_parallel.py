@@ -754,15 +754,18 @@ def max_held(actions):
 def draw(timelines, width):
     """One text line per rank, `width` columns over the span: F, B or W where one runs
     (f, b, w: a chunk of the rank's but its first, as ZB-V's way back up), '.' where the
-    rank waits."""
+    rank waits. Every action gets a column of its own at least (a measured W shorter than
+    half a column would otherwise vanish, or be drawn over by the next action)."""
     t0 = min(t[0][1] for t in timelines)
     dt = (max(t[-1][2] for t in timelines) - t0) / width
     lines = []
     for r, (t, idle) in enumerate(zip(timelines, idle_fractions(timelines))):
-        row = ["."] * width
+        row, free = ["."] * width, 0  # free: the first column no action of this rank has taken
         for a, start, end in t:
-            for c in range(round((start - t0) / dt), round((end - t0) / dt)):
-                row[min(c, width - 1)] = a.kind if a.chunk < len(timelines) else a.kind.lower()
+            first = min(max(round((start - t0) / dt), free), width - 1)
+            free = max(round((end - t0) / dt), first + 1)
+            for c in range(first, min(free, width)):
+                row[c] = a.kind if a.chunk < len(timelines) else a.kind.lower()
         lines.append(f"  stage {r}: {''.join(row)}  idle {idle:.0%}")
     return "\n".join(lines)
 
