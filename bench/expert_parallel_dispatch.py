@@ -23,39 +23,14 @@ the noise floor that even a uniformly random router shows on a finite batch. The
 learning rate is higher than the default so that this shows within 200 steps.
 """
 import argparse
-import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-
-def data_dir(tmp):
-    shakespeare = os.path.join(ROOT, "data", "shakespeare")
-    if all(os.path.exists(os.path.join(shakespeare, f)) for f in ("train.bin", "val.bin")):
-        return shakespeare
-    from tests.conftest import make_dataset  # the synthetic Markov-chain data of the tests
-    return make_dataset(os.path.join(tmp, "data"))
-
-
-def launch(nproc, flags, log, timeout):
-    """torchrun expert_parallel.py; the per-iteration records of its JSON log."""
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
-           f"--master_port={port}", "expert_parallel.py", *flags, f"--log_file={log}"]
-    env = dict(os.environ, OMP_NUM_THREADS="1")  # N ranks share the cores: one thread each
-    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    if p.returncode != 0:
-        sys.exit(f"{' '.join(cmd)} failed:\n{p.stderr[-3000:]}")
-    with open(log) as f:
-        return [json.loads(line) for line in f if line.strip()]
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
+from harness import bench_data, run_logged  # noqa: E402
 
 
 def dispatch_table(args, common, tmp):
@@ -71,7 +46,8 @@ def dispatch_table(args, common, tmp):
         moe = {}
         for mode in EP.DISPATCH:
             flags = common + [f"--max_iters={args.steps}", f"--dispatch={mode}"]
-            records = launch(n, flags, os.path.join(tmp, f"{mode}.{n}.jsonl"), args.timeout)[1:]
+            log = os.path.join(tmp, f"{mode}.{n}.jsonl")
+            records = run_logged("expert_parallel.py", n, flags, log, args.timeout)[1:]
             cfg = M.parse_args(EP.DEFAULTS, flags)
             config = M.make_config(cfg.model, block_size=cfg.block_size, n_expert=cfg.n_expert, top_k=cfg.top_k)
             ms = statistics.median(r["dt_ms"] for r in records)
@@ -100,7 +76,7 @@ def balance_table(args, common, tmp):
         flags = [f for f in common if not f.startswith("--batch_size")] + [
             f"--batch_size={args.balance_batch}", f"--max_iters={steps}", f"--aux_loss_coef={coef}",
             f"--lr={args.balance_lr}", f"--warmup_iters={steps // 10}"]
-        records = launch(2, flags, os.path.join(tmp, f"balance.{coef}.jsonl"), args.timeout)
+        records = run_logged("expert_parallel.py", 2, flags, os.path.join(tmp, f"balance.{coef}.jsonl"), args.timeout)
         rows = {"experts/layer": [statistics.mean(r["expert_max_over_mean"]) for r in records],
                 "ranks": [r["load_max_over_mean"] for r in records],
                 "balance loss": [statistics.mean(r["aux_loss"]) for r in records]}
@@ -131,8 +107,10 @@ def main():
     ap.add_argument("--ranks", default="2,4")
     ap.add_argument("--timeout", type=int, default=1800)
     args = ap.parse_args()
+    if 0 < args.balance_steps < 4:
+        sys.exit("error: --balance_steps must be 0 (no balance table) or at least 4 (its 4 windows)")
     with tempfile.TemporaryDirectory() as tmp:
-        common = [f"--model={args.model}", f"--data_dir={data_dir(tmp)}", f"--batch_size={args.batch_size}",
+        common = [f"--model={args.model}", f"--data_dir={bench_data(tmp)}", f"--batch_size={args.batch_size}",
                   f"--block_size={args.block_size}", f"--n_expert={args.n_expert}", f"--top_k={args.top_k}",
                   "--eval_interval=0", "--dtype=float32", "--log_interval=0"]
         dispatch_table(args, common, tmp)

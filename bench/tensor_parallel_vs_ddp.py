@@ -14,39 +14,14 @@ the batch, not the model, and sits on the critical path of every layer. On one
 synchronous messages rather than a speed-up.
 """
 import argparse
-import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-
-def data_dir(tmp):
-    shakespeare = os.path.join(ROOT, "data", "shakespeare")
-    if all(os.path.exists(os.path.join(shakespeare, f)) for f in ("train.bin", "val.bin")):
-        return shakespeare
-    from tests.conftest import make_dataset  # the synthetic Markov-chain data of the tests
-    return make_dataset(os.path.join(tmp, "data"))
-
-
-def launch(script, nproc, flags, log, timeout):
-    """torchrun the script; the per-iteration records of its JSON log."""
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
-           f"--master_port={port}", script, *flags, f"--log_file={log}"]
-    env = dict(os.environ, OMP_NUM_THREADS="1")  # N ranks share the cores: one thread each
-    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    if p.returncode != 0:
-        sys.exit(f"{' '.join(cmd)} failed:\n{p.stderr[-3000:]}")
-    with open(log) as f:
-        return [json.loads(line) for line in f if line.strip()]
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
+from harness import bench_data, run_logged  # noqa: E402
 
 
 def main():
@@ -65,7 +40,7 @@ def main():
     if args.sequence_parallel.lower() in ("true", "1", "yes"):
         runs.append(("tensor parallel + SP", "tensor_parallel.py", ["--sequence_parallel=True"]))
     with tempfile.TemporaryDirectory() as tmp:
-        common = [f"--model={args.model}", f"--data_dir={data_dir(tmp)}", f"--batch_size={args.batch_size}",
+        common = [f"--model={args.model}", f"--data_dir={bench_data(tmp)}", f"--batch_size={args.batch_size}",
                   f"--block_size={args.block_size}", f"--max_iters={args.steps}", "--eval_interval=0",
                   "--dtype=float32", "--log_interval=0"]
         print(f"{args.model} preset, global batch {args.batch_size} x {args.block_size} tokens, "
@@ -76,7 +51,7 @@ def main():
         for n in (int(r) for r in args.ranks.split(",")):
             for name, script, extra in runs:
                 log = os.path.join(tmp, f"{script}.{n}.jsonl")
-                records = launch(script, n, common + extra, log, args.timeout)[1:]
+                records = run_logged(script, n, common + extra, log, args.timeout)[1:]
                 ms = statistics.median(r["dt_ms"] for r in records)
                 tok = statistics.median(r["tokens_per_s"] for r in records)
                 sent = max(records[-1]["comm_bytes"]) / 1e6

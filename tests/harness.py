@@ -230,6 +230,24 @@ def read_log(path):
         return [json.loads(line) for line in f if line.strip()]
 
 
+def run_logged(script, nproc, flags, log, timeout):
+    """For the benches: torchrun the script with --log_file=log -> its per-iteration records;
+    exit with the command and its stderr's tail if it fails."""
+    p = torchrun(script, nproc, [*flags, f"--log_file={log}"], timeout=timeout)
+    if p.returncode != 0:
+        sys.exit(f"{' '.join(p.args)} failed:\n{p.stderr[-3000:]}")
+    return read_log(log)
+
+
+def bench_data(tmp):
+    """For the benches: data/shakespeare if prepared, else the tests' synthetic Markov-chain data."""
+    shakespeare = os.path.join(ROOT, "data", "shakespeare")
+    if all(os.path.exists(os.path.join(shakespeare, f)) for f in ("train.bin", "val.bin")):
+        return shakespeare
+    from conftest import make_dataset
+    return make_dataset(os.path.join(tmp, "data"))
+
+
 def assert_logs_match(log, ref, tol=1e-4, key="loss", norm_tol=None):
     """Same number of iterations, and `key` within tol at every one of them. With the
     losses, the gradient norm before clipping too (assert_norms_match)."""
