@@ -1081,7 +1081,9 @@ def check_moe(cfg, strategy, moe):
 
 def begin_iter(run, it, evaluate):
     """Validation when due (before the step, as nanoGPT does), this iteration's
-    learning rate, a fresh byte counter, and the clock."""
+    learning rate, a fresh byte counter, and the clocks (the wall's, and this process's CPU
+    time, logged as cpu_ms: ranks whose CPU time adds up to their cores' wall time are
+    bound by the host, not by each other)."""
     cfg = run.cfg
     delay_for_tests(it)
     run.record = {"iter": it}
@@ -1092,6 +1094,7 @@ def begin_iter(run, it, evaluate):
     C.reset_bytes()
     if cfg.trace and it in cfg.trace_range:
         trace_begin(run)
+    run.cpu0 = time.process_time()  # all of this process's threads (gloo's too): is the host the bottleneck?
     run.t0 = now(run.device)
 
 
@@ -1104,7 +1107,8 @@ def end_iter(run, loss, state_bytes, grad_norm=0.0, loss_ranks=None, axes=None, 
     any other number, logged as a list by rank."""
     cfg, it = run.cfg, run.record["iter"]
     dt = elapsed(run.t0, now(run.device))
-    stats = dict(loss=float(loss), comm_bytes=C.bytes_sent(), state_bytes=state_bytes, **per_rank)
+    stats = dict(loss=float(loss), comm_bytes=C.bytes_sent(), state_bytes=state_bytes,
+                 cpu_ms=1000 * (time.process_time() - run.cpu0), **per_rank)
     for name, group in (axes or {}).items():
         stats[f"comm_bytes_{name}"] = C.bytes_sent(group)
     if run.device.type == "cuda":

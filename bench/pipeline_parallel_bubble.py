@@ -15,14 +15,17 @@ B + W (the input's gradient, then the weights' from the W store) against one ful
 --model wide (h = 512, 8 blocks) is the width where a CPU's backward is its matmuls, so
 where W's dW = dYᵀx is moved work rather than added work (at tiny's h = 96 it is not).
 
-ms/step is the best of --rounds rounds (each schedule run once a round, in turn), the
-median step of each run: on a shared machine the best round is the least disturbed. "each
-round" gives the ratio to 1F1B within every round, to show the spread.
+Each schedule runs once a round, in turn; ms/step is the median step of a run (the steps
+after the first two), its median over the rounds. "vs 1f1b" is the median over the rounds of
+the ratio to the 1F1B run of the same round (a drift of the machine's speed over the minutes
+moves both alike); "each round" gives them all, to show the spread.
 Idle = 1 - (time in forward and backward) / (first forward to last backward of the
-step), averaged over the steps after the first two. On a 2-core CPU, 4 stages
-share 2 cores: a stage that waits lends its core to one that works, so the
-measured bubble at p=4 is not the bubble a machine with a core (or GPU) per stage
-would show. Data: a synthetic set with a 192-token vocabulary (with GPT-2's 50k
+step), averaged over the steps after the first two. "cores busy" is the ranks' CPU time
+(every thread of each process) over the step's wall time times the cores they can use,
+min(p, cores): a pipeline saves time by filling its bubble only while cores sit idle. On a
+2-core CPU at p = 4, 1F1B already keeps the cores about 0.95 busy: a stage that waits lends
+its core to one that works, so the bubble costs little time there and no schedule can save
+much; a machine with a core (or GPU) per stage is where p = 4 means what it says. Data: a synthetic set with a 192-token vocabulary (with GPT-2's 50k
 vocabulary the head would dwarf the tiny model's blocks and the last stage would
 be the bottleneck: an imbalance, not the bubble).
 """
@@ -53,9 +56,25 @@ def run(schedule, p, m, args, tmp):
     records = [json.loads(line) for line in open(log)]
     steady = records[2:] or records
     idle = [statistics.mean(r["idle_frac"][s] for r in steady) for s in range(p)]
+    cores = min(p, os.cpu_count())  # the cores the p ranks can use at once
     last = records[-1]
     return dict(idle=idle, theory=last["bubble_theory"], ms=statistics.median(r["dt_ms"] for r in steady),
+                busy=statistics.median(sum(r["cpu_ms"]) / (cores * r["dt_ms"]) for r in steady),
                 held=[int(h) for h in last["peak_micro"]], act_mb=[b / 2**20 for b in last["act_bytes"]]), None
+
+
+def summarize(runs, base="1f1b"):
+    """runs: the results of one (p, m, schedule), a round each, and of the base schedule in the
+    same rounds (None where a run failed). Each round's ratio is taken to the base run just
+    before it, so a drift of the machine's speed over the minutes moves both alike; the
+    ratio reported is the median of the rounds', ms/step the median of the rounds' steps."""
+    mine, theirs = runs
+    ok = [r for r in mine if r]
+    each = [a["ms"] / b["ms"] for a, b in zip(mine, theirs) if a and b]
+    return dict(ms=statistics.median(r["ms"] for r in ok), ratio=statistics.median(each) if each else None,
+                each=each, idle=[statistics.mean(col) for col in zip(*(r["idle"] for r in ok))],
+                busy=statistics.mean(r["busy"] for r in ok), theory=ok[-1]["theory"], held=ok[-1]["held"],
+                act_mb=ok[-1]["act_mb"])
 
 
 def split_cost(args, m=4):
@@ -91,7 +110,7 @@ def split_cost(args, m=4):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--at", nargs="+", default=["2x4", "4x8"], help="stages x micro-batches")
-    ap.add_argument("--rounds", type=int, default=2, help="ms/step: the best round")
+    ap.add_argument("--rounds", type=int, default=3, help="each schedule runs once a round, in turn")
     ap.add_argument("--schedules", nargs="+", default=["gpipe", "1f1b", "interleaved", "zb", "zbv"])
     ap.add_argument("--virtual_stages", type=int, default=2, help="interleaved's chunks a stage")
     ap.add_argument("--model", default="tiny")
@@ -105,39 +124,34 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         args.data_dir = args.data_dir or make_dataset(os.path.join(tmp, "data"))
         print(f"pipeline_parallel.py --model={args.model} --batch_size={args.batch_size} "
-              f"--block_size={args.block_size}, mean of iterations 2..{args.iters - 1}, "
-              f"ms/step the best of {args.rounds} rounds; load average {os.getloadavg()[0]:.1f} at the start")
-        results, rounds = {}, {}  # rounds: (p, m, schedule) -> ms/step of each round
+              f"--block_size={args.block_size}, iterations 2..{args.iters - 1} of each run, {args.rounds} rounds; "
+              f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at the start")
+        runs, errors = {}, {}  # (p, m, schedule) -> a result per round (None: failed), the last error
         for _ in range(args.rounds):
             for p, m in at:
                 for schedule in args.schedules:
                     res, err = run(schedule, p, m, args, tmp)
-                    if not err:
-                        rounds.setdefault((p, m, schedule), []).append(res["ms"])
-                    old = results.get((p, m, schedule))
-                    if old is None or (not err and (old[1] or res["ms"] < old[0]["ms"])):  # the fastest round
-                        results[(p, m, schedule)] = res, err
+                    runs.setdefault((p, m, schedule), []).append(res)
+                    if err:
+                        errors[(p, m, schedule)] = err
         print(f"{'schedule':>11} {'p':>2} {'m':>3} {'idle per stage (measured)':>28} {'mean':>6} {'formula':>7} "
-              f"{'ms/step':>8} {'vs 1f1b':>7} {'each round':>16} {'micro-batches held':>19} "
-              f"{'peak activations MB per stage':>30}")
+              f"{'cores busy':>10} {'ms/step':>8} {'vs 1f1b':>7} {'each round':>{5 * args.rounds + 1}} "
+              f"{'micro-batches held':>19} {'peak activations MB per stage':>30}")
         for p, m in at:
-            base = results.get((p, m, "1f1b"), (None,))[0]
+            base = runs.get((p, m, "1f1b"), [None] * args.rounds)
             for schedule in args.schedules:
-                res, err = results[(p, m, schedule)]
-                if err:
-                    print(f"{schedule:>11} {p:>2} {m:>3}  failed: {err}", flush=True)
+                if not any(runs[(p, m, schedule)]):
+                    print(f"{schedule:>11} {p:>2} {m:>3}  failed: {errors[(p, m, schedule)]}", flush=True)
                     continue
+                res = summarize((runs[(p, m, schedule)], base))
                 idle = " ".join(f"{f:.2f}" for f in res["idle"])
                 held = " ".join(str(h) for h in res["held"])
                 act = " ".join(f"{b:.1f}" for b in res["act_mb"])
-                ratio = f"{res['ms'] / base['ms']:.2f}" if base else "-"
-                # the same ratio within each round, a schedule against the 1F1B run just before it:
-                # a drift of the machine's speed over the minutes moves both alike
-                each = " ".join(f"{a / b:.2f}" for a, b in zip(rounds.get((p, m, schedule), []),
-                                                               rounds.get((p, m, "1f1b"), []))) if base else "-"
+                ratio = "-" if res["ratio"] is None else f"{res['ratio']:.2f}"
+                each = " ".join(f"{r:.2f}" for r in res["each"]) or "-"
                 print(f"{schedule:>11} {p:>2} {m:>3} {idle:>28} {statistics.mean(res['idle']):>6.2f} "
-                      f"{res['theory']:>7.2f} {res['ms']:>8.0f} {ratio:>7} {each:>16} {held:>19} {act:>30}",
-                      flush=True)
+                      f"{res['theory']:>7.2f} {res['busy']:>10.2f} {res['ms']:>8.0f} {ratio:>7} "
+                      f"{each:>{5 * args.rounds + 1}} {held:>19} {act:>30}", flush=True)
     full, b, w, f = split_cost(args)
     print(f"one process, per micro-batch of {args.batch_size // 4}: forward {1000 * f:.1f} ms, one full backward "
           f"{1000 * full:.1f} ms; B {1000 * b:.1f} + W {1000 * w:.1f} = {1000 * (b + w):.1f} ms, "

@@ -238,9 +238,10 @@ def test_baseline_run_logs_every_field(train_args, tmp_path):
     records = [json.loads(line) for line in open(log)]
     assert [rec["iter"] for rec in records] == [0, 1, 2]
     for rec in records:
-        for k in ("loss", "lr", "dt_ms", "tokens_per_s", "mfu", "comm_bytes", "state_bytes"):
+        for k in ("loss", "lr", "dt_ms", "tokens_per_s", "mfu", "comm_bytes", "state_bytes", "cpu_ms"):
             assert k in rec
         assert rec["comm_bytes"] == [0] and rec["mfu"] is None  # one process sends nothing; no CPU peak
+        assert len(rec["cpu_ms"]) == 1 and rec["cpu_ms"][0] > 0  # a step computes: the process's CPU clock moved
     assert "val_loss" in records[0] and "val_loss" in records[2] and "val_loss" not in records[1]
     # state: params + grads + 2 Adam moments, all fp32 = 16 bytes a parameter
     n = M.num_params(M.GPT(M.make_config("tiny", V, block_size=32)).parameters())
