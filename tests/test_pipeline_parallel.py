@@ -14,11 +14,13 @@ micro-batches held, and act_bytes against activation_per_rank; at 2 stages also 
 resume of a ZB-V run (whose checkpoint 1F1B loads at 3 stages), ZB-H1 with --recompute=full
 and a bf16 run; at 4, two pipelines side by side on sub-groups of non-neighbouring global ranks.
 """
+import argparse
 import contextlib
 import gc
 import io
 import math
 import os
+import sys
 import weakref
 
 import pytest
@@ -29,6 +31,10 @@ import model as M
 import pipeline_parallel as PP
 from harness import spawn, check_at_two_ranks, refuse, refusals, assert_refused, one_thread, read_log, assert_logs_match, assert_states_match
 from conftest import BF16_ARGS, SHORT_STEPS, VOCAB
+
+# the bubble bench's step timer runs on the pool's ranks, which find it by its module's name: on
+# the path before the pool's server starts (collection time)
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
 
 # (schedule, m, steps). With one micro-batch GPipe and 1F1B are the same list of actions
 # (checked on paper below), so 1F1B's m=1 run would repeat GPipe's. Every run costs steps on
@@ -519,6 +525,21 @@ def test_one_process_reproduces_reference(train_args, reference_short, tmp_path)
     assert_logs_match(records, reference_short[0], 1e-4)
     assert_states_match(torch.load(path), reference_short[1], 1e-5)
     assert all(r["comm_bytes"] == [0] and r["peak_micro"] == [1] for r in records)
+
+
+def test_bubble_bench_pairs_each_step_with_1f1bs_in_its_cycle():
+    """bench/pipeline_parallel_bubble.py's ms/step: every schedule gets one step a cycle on the same ranks, and
+    the ratio printed is the median of the cycles' ratios to 1F1B's step of the same cycle, not the best run's."""
+    import pipeline_parallel_bubble as bench
+    args = argparse.Namespace(model="tiny", block_size=32, batch_size=8, schedules=["1f1b", "zb", "zbv"],
+                              virtual_stages=2, cycles=2)
+    times = spawn(bench.alternating, 2, args, 4)[0]
+    assert sorted(times) == ["1f1b", "zb", "zbv"] and all(len(t) == 2 and min(t) > 0 for t in times.values())
+    assert bench.paired(times, "1f1b")[1:] == (1.0, (1.0, 1.0))
+    made_up = {"1f1b": [1.0, 2.0, 1.0, 1.0, 1.0], "zb": [0.9, 1.6, 1.2, 0.8, 0.85]}  # ratios .9 .8 1.2 .8 .85
+    ms, ratio, middle = bench.paired(made_up, "zb")
+    assert ms == pytest.approx(900) and ratio == pytest.approx(0.85) and middle == pytest.approx((0.8, 0.9))
+    assert bench.paired({"zb": [0.5]}, "zb") == (500, None, None)  # no 1F1B to pair with
 
 
 @pytest.mark.quick
