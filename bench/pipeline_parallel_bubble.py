@@ -200,6 +200,22 @@ def main():
     print(f"one process, per micro-batch of {args.batch_size // 4}: forward {1000 * f:.1f} ms, one full backward "
           f"{1000 * full:.1f} ms; B {1000 * b:.1f} + W {1000 * w:.1f} = {1000 * (b + w):.1f} ms, "
           f"{(b + w) / full:.2f}x the full backward")
+    for p, m in at:  # a ratio: the same at any micro-batch, were the costs proportional to its tokens
+        ratios = on_paper(p, m, f, full, b, w)
+        print(f"on paper at these costs, p = {p}, m = {m} (a stage 1/p of them, a ZB-V chunk half that, no messages): "
+              + ", ".join(f"{name} {x:.2f}x" for name, x in ratios.items()) + " 1F1B's step")
+
+
+def on_paper(p, m, f, full, b, w):
+    """simulate() at measured costs, the whole model's per micro-batch -> {schedule: its step / 1F1B's}."""
+    import pipeline_parallel as PP
+    costs = {"1f1b": dict(F=f / p, B=full / p), "zb": dict(F=f / p, B=b / p, W=w / p),
+             "zbv": dict(F=f / (2 * p), B=b / (2 * p), W=w / (2 * p))}
+    span = {}
+    for name, cost in costs.items():
+        timelines = PP.simulate(name, p, m, cost=cost)
+        span[name] = max(t[-1][2] for t in timelines) - min(t[0][1] for t in timelines)
+    return {name: span[name] / span["1f1b"] for name in ("zb", "zbv")}
 
 
 if __name__ == "__main__":

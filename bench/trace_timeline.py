@@ -6,6 +6,9 @@ the idle time left white.
     torchrun --nproc_per_node=2 ddp.py --model=tiny --max_iters=5 --trace=ddp.json
     python bench/trace_timeline.py ddp.json [more.json ...] --png ddp.png [--step=3] [--title="DDP, overlapped" ...]
 
+--step=median draws each trace's step of median length (its slowest rank's), of the steps it
+recorded: one step on a shared machine can be the one another process disturbed.
+
 The same file opens as it is in ui.perfetto.dev or chrome://tracing, with every span's
 op, group, peers and bytes. matplotlib is optional (not in requirements.txt: the training
 never needs it); without it this prints one line and exits with code 1.
@@ -27,13 +30,27 @@ def lanes(events, step=None):
     return out, sorted({e["args"]["step"] for e in spans if e["cat"] == "step"})
 
 
-def fitting(name, cat, pixels):
-    """The span's name if it fits in its bar, else for compute a short form ("forward mb 3
-    chunk 1" -> "F3"), else nothing. About 5 pixels a character at this font size."""
+def median_step(events):
+    """The recorded step whose length (its slowest rank's) is the median (the lower one of two)."""
+    length = {}
+    for e in events:
+        if e.get("cat") == "step":
+            length[e["args"]["step"]] = max(length.get(e["args"]["step"], 0), e["dur"])
+    ranked = sorted(length, key=length.get)
+    return ranked[(len(ranked) - 1) // 2] if ranked else None
+
+
+def fitting(name, cat, pixels, world=0):
+    """The span's name if it fits in its bar, else for compute a short form ("forward mb 3" ->
+    "F3"; a pipeline rank's later chunk, numbered world or more, in lower case: "forward mb 3
+    chunk 2" -> "f3", as pipeline_parallel.py's --timeline writes it), else nothing. About 5
+    pixels a character at this font size."""
     if len(name) * 5 < pixels:
         return name
-    numbers = [w for w in name.split() if w.isdigit()]
-    short = name[0].upper() + (numbers[0] if numbers else "")
+    words = name.split()
+    numbers = [w for w in words if w.isdigit()]
+    later = "chunk" in words and int(words[words.index("chunk") + 1]) >= world
+    short = (name[0].lower() if later else name[0].upper()) + (numbers[0] if numbers else "")
     return short if cat == "compute" and len(short) * 5 < pixels else ""
 
 
@@ -45,7 +62,7 @@ def draw(traces, png, step=None, titles=()):
     from matplotlib.patches import Patch
     panels = []
     for trace in traces:
-        rows, steps = lanes(trace["traceEvents"], step)
+        rows, steps = lanes(trace["traceEvents"], median_step(trace["traceEvents"]) if step == "median" else step)
         if not rows:
             sys.exit(f"error: no spans{f' in step {step}' if step is not None else ''} in the trace")
         t0 = min(s for spans in rows.values() for s, *_ in spans)
@@ -57,6 +74,7 @@ def draw(traces, png, step=None, titles=()):
     fig, axes = plt.subplots(len(panels), 1, figsize=(11, 0.9 + 0.42 * sum(heights) + 0.5 * len(panels)), dpi=90,
                              sharex=True, gridspec_kw=dict(height_ratios=heights), squeeze=False)
     for i, (ax, (trace, rows, steps, t0, order)) in enumerate(zip(axes[:, 0], panels)):
+        info = trace.get("otherData", {})
         for y, lane in enumerate(order):
             # compute first, communication over it: a sync collective sits inside the compute that issued it
             for start, length, cat, name in sorted(rows.get(lane, []), key=lambda s: s[2] != "compute"):
@@ -64,14 +82,14 @@ def draw(traces, png, step=None, titles=()):
                                edgecolor="white", linewidth=0.3)
                 inside = cat != "compute" and any(c == "compute" and s0 <= start and start + length <= s0 + d0
                                                   for s0, d0, c, _ in rows[lane])
-                label = "" if inside else fitting(name, cat, length / width * 850)  # a compute span's label is there
+                # a span inside a compute one: the compute's label is there
+                label = "" if inside else fitting(name, cat, length / width * 850, info.get("world", 0))
                 if label:
                     ax.text(start - t0 + length / 2, y, label, ha="center", va="center", fontsize=7, color="white",
                             clip_on=True)
         ax.set_yticks(range(len(order)))
         ax.set_yticklabels([f"rank {r}" if tid == 0 else f"rank {r} async" for r, tid in order], fontsize=8)
         ax.set_ylim(len(order) - 0.5, -0.5)
-        info = trace.get("otherData", {})
         title = titles[i] if i < len(titles) else f"{info.get('strategy', '')} {info.get('world', '')} ranks"
         ax.set_title(f"{title}, step{'s' * (len(steps) > 1)} {', '.join(map(str, steps))}", fontsize=9)
     axes[-1, 0].set_xlim(0, width)
@@ -87,7 +105,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
     p.add_argument("traces", nargs="+", help="--trace files (Chrome trace JSON): one panel each, one time axis")
     p.add_argument("--png", required=True, help="the picture to write")
-    p.add_argument("--step", type=int, default=None, help="one traced step (default: all of them)")
+    p.add_argument("--step", type=lambda x: x if x == "median" else int(x), default=None,
+                   help="one traced step (default: all of them), or median: each trace's step of median length")
     p.add_argument("--title", action="append", default=[], help="a panel's title (once per trace, in order)")
     args = p.parse_args(argv)
     try:

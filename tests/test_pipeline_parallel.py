@@ -540,6 +540,8 @@ def test_bubble_bench_pairs_each_step_with_1f1bs_in_its_cycle():
     ms, ratio, middle = bench.paired(made_up, "zb")
     assert ms == pytest.approx(900) and ratio == pytest.approx(0.85) and middle == pytest.approx((0.8, 0.9))
     assert bench.paired({"zb": [0.5]}, "zb") == (500, None, None)  # no 1F1B to pair with
+    # its prediction at unit costs is the formulas': 1F1B 15 units at p = 2, m = 4, ZB-H1 13, ZB-V 12.5
+    assert bench.on_paper(2, 4, 1, 2, 1, 1) == pytest.approx({"zb": 13 / 15, "zbv": 12.5 / 15})
 
 
 @pytest.mark.quick

@@ -129,3 +129,28 @@ def test_timeline(tmp_path, monkeypatch, capsys):
     pytest.importorskip("matplotlib")
     timeline.main([str(path), str(path), "--png", str(tmp_path / "t.png"), "--step=2"])
     assert (tmp_path / "t.png").stat().st_size > 1000
+
+
+@pytest.mark.quick
+def test_timeline_median_step():
+    """--step=median draws the step of median length, the slowest rank's length counting."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import trace_timeline as timeline
+    lengths = {2: (900, 100), 3: (300, 500), 4: (700, 650), 5: (100, 1000), 6: (200, 600)}  # maxima 900 500 700 1000 600
+    events = [{"name": f"step {s}", "cat": "step", "ph": "X", "ts": 0, "dur": d, "pid": r, "tid": 0, "args": {"step": s}}
+              for s, ds in lengths.items() for r, d in enumerate(ds)]
+    assert timeline.median_step(events) == 4
+    assert timeline.median_step(events[:4]) == 3  # steps 2 (900) and 3 (500): the shorter of the two middle ones
+
+
+@pytest.mark.quick
+def test_timeline_short_labels():
+    """A bar too narrow for its name gets the short form, a pipeline rank's later chunk in lower case, as
+    --timeline writes them (ZB-V on 2 ranks: chunks 0 and 1 go down, 2 and 3 come back up)."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import trace_timeline as timeline
+    assert timeline.fitting("forward mb 3", "compute", 1000) == "forward mb 3"
+    assert timeline.fitting("forward mb 3", "compute", 20) == "F3"
+    assert timeline.fitting("weight_grad mb 1 chunk 1", "compute", 20, world=2) == "W1"
+    assert timeline.fitting("backward mb 2 chunk 3", "compute", 20, world=2) == "b2"
+    assert timeline.fitting("all_reduce bucket 0", "comm", 20) == ""
