@@ -40,7 +40,7 @@ def median_step(events):
     return ranked[(len(ranked) - 1) // 2] if ranked else None
 
 
-def fitting(name, cat, pixels, world=0):
+def fitting(name, cat, pixels, world=None):
     """The span's name if it fits in its bar, else for compute a short form ("forward mb 3" ->
     "F3"; a pipeline rank's later chunk, numbered world or more, in lower case: "forward mb 3
     chunk 2" -> "f3", as pipeline_parallel.py's --timeline writes it), else nothing. About 5
@@ -49,7 +49,7 @@ def fitting(name, cat, pixels, world=0):
         return name
     words = name.split()
     numbers = [w for w in words if w.isdigit()]
-    later = "chunk" in words and int(words[words.index("chunk") + 1]) >= world
+    later = world is not None and "chunk" in words and int(words[words.index("chunk") + 1]) >= world
     short = (name[0].lower() if later else name[0].upper()) + (numbers[0] if numbers else "")
     return short if cat == "compute" and len(short) * 5 < pixels else ""
 
@@ -83,7 +83,7 @@ def draw(traces, png, step=None, titles=()):
                 inside = cat != "compute" and any(c == "compute" and s0 <= start and start + length <= s0 + d0
                                                   for s0, d0, c, _ in rows[lane])
                 # a span inside a compute one: the compute's label is there
-                label = "" if inside else fitting(name, cat, length / width * 850, info.get("world", 0))
+                label = "" if inside else fitting(name, cat, length / width * 850, info.get("world"))
                 if label:
                     ax.text(start - t0 + length / 2, y, label, ha="center", va="center", fontsize=7, color="white",
                             clip_on=True)

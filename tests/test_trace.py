@@ -153,4 +153,5 @@ def test_timeline_short_labels():
     assert timeline.fitting("forward mb 3", "compute", 20) == "F3"
     assert timeline.fitting("weight_grad mb 1 chunk 1", "compute", 20, world=2) == "W1"
     assert timeline.fitting("backward mb 2 chunk 3", "compute", 20, world=2) == "b2"
+    assert timeline.fitting("backward mb 2 chunk 3", "compute", 20) == "B2"  # a trace that does not say its world
     assert timeline.fitting("all_reduce bucket 0", "comm", 20) == ""
