@@ -69,6 +69,17 @@ def run(schedule, p, m, args, tmp):
                 held=[int(h) for h in last["peak_micro"]], act_mb=[b / 2**20 for b in last["act_bytes"]]), None
 
 
+def synthetic(args, m):
+    """-> (the model's config, the micro-batch's sequences, batch(k): micro-batch k's inputs and
+    targets), from random tokens: the speed does not depend on them."""
+    import torch
+    import model as M
+    config = M.make_config(args.model, VOCAB, block_size=args.block_size)
+    b = args.batch_size // m
+    rows = torch.randint(0, VOCAB, (args.batch_size, args.block_size + 1), generator=torch.Generator().manual_seed(0))
+    return config, b, lambda k: (rows[k * b:(k + 1) * b, :-1], rows[k * b:(k + 1) * b, 1:])
+
+
 def alternating(rank, world, args, m):
     """ms/step, measured so that a noisy machine cannot pick the winner: each schedule gets its
     own stages, optimizer and executor on these ranks (pipeline_parallel.py's pieces, its
@@ -78,12 +89,8 @@ def alternating(rank, world, args, m):
     import time
     import torch
     import collectives as C
-    import model as M
     import pipeline_parallel as PP
-    config = M.make_config(args.model, VOCAB, block_size=args.block_size)
-    b = args.batch_size // m
-    rows = torch.randint(0, VOCAB, (args.batch_size, args.block_size + 1), generator=torch.Generator().manual_seed(0))
-    batch = lambda k: (rows[k * b:(k + 1) * b, :-1], rows[k * b:(k + 1) * b, 1:])  # noqa: E731
+    config, b, batch = synthetic(args, m)
     runs = {}
     for name in args.schedules:
         v = PP.virtual_stages(argparse.Namespace(schedule=name, virtual_stages=args.virtual_stages))
@@ -127,13 +134,9 @@ def split_cost(args, m=4):
     seconds of one full backward (1F1B's B) and of ZB's B and W, per micro-batch, each the
     best of --cycles steps (the median over the micro-batches of the step)."""
     import torch
-    import model as M
     import pipeline_parallel as PP
     torch.set_num_threads(1)  # as each rank of the runs above
-    config = M.make_config(args.model, VOCAB, block_size=args.block_size)
-    b = args.batch_size // m
-    rows = torch.randint(0, VOCAB, (args.batch_size, args.block_size + 1), generator=torch.Generator().manual_seed(0))
-    batch = lambda k: (rows[k * b:(k + 1) * b, :-1], rows[k * b:(k + 1) * b, 1:])  # noqa: E731
+    config, b, batch = synthetic(args, m)
     # a stage each: zb's executor swaps its stage's linears for DeferredLinear, which 1f1b's must not run
     stages = {name: PP.Stage(config, 0, 1, seed=0) for name in ("1f1b", "zb")}
     executors = {name: PP.Executor(stage, (b, args.block_size, config.n_embd), m) for name, stage in stages.items()}
@@ -172,14 +175,14 @@ def main():
               f"--block_size={args.block_size}: idle and memory over iterations 2..{args.iters - 1} of a run each, "
               f"ms/step over {args.cycles} cycles of one step each; {os.cpu_count()} cores, load average "
               f"{os.getloadavg()[0]:.1f} at the start")
+        # the ranks find the timer by its module's name: not __main__, which is theirs
+        from pipeline_parallel_bubble import alternating as timer
         rows = []
         for p, m in at:
             runs = {name: run(name, p, m, args, tmp) for name in args.schedules}
             ok = [name for name, (_, err) in runs.items() if not err]
             args_ok = argparse.Namespace(**{**vars(args), "schedules": ok})
-            # the ranks find the function by its module's name: not __main__, which is theirs
-            from pipeline_parallel_bubble import alternating as job
-            times = spawn(job, p, args_ok, m, timeout=args.timeout)[0] if ok else {}
+            times = spawn(timer, p, args_ok, m, timeout=args.timeout)[0] if ok else {}
             rows.append((p, m, runs, times))
         print(f"{'schedule':>11} {'p':>2} {'m':>3} {'idle per stage (measured)':>28} {'mean':>6} {'formula':>7} "
               f"{'cores busy':>10} {'ms/step':>8} {'vs 1f1b':>7} {'middle half':>11} {'micro-batches held':>19} "
