@@ -412,7 +412,7 @@ class ShardComm:
             for key, after in zip(keys, keys[1:]):
                 self.next.setdefault(key, after)
         self.forward_order = order[0] + ["head"] if reshard else []  # one chunk: the ends, the blocks, the head
-        self.sync, self.waits, self.gathering, self.reducing, self.seen = False, [], {}, {}, {}
+        self.sync, self.waits, self.gathering, self.reducing, self.seen, self.sent = False, [], {}, None, {}, set()
         for u in early if overlap else []:
             for p in u.params:
                 p.register_post_accumulate_grad_hook(partial(self._accumulated, u))
@@ -458,15 +458,27 @@ class ShardComm:
         if self.sync:
             self.seen[u] = self.seen.get(u, 0) + 1
             if self.seen[u] == len(u.params):  # u's gradient is complete: on its way now
-                self.reducing[u] = start_reduce(u)
+                # fsdp.py's order: the previous unit's reduce-scatter finished (its flat copy freed)
+                # as this one starts, and this one's .grad dropped (the flat copy is on its way),
+                # so backward ends holding one unit's gradient in flight, not two copies of all
+                self._finish()
+                self.reducing, self.sent = (u, start_reduce(u)), self.sent | {u}
+                drop_grads(u)
+
+    def _finish(self):
+        if self.reducing:
+            finish_reduce(*self.reducing)
+            self.reducing = None
 
     def reduce_scatter(self, units):
         """Every unit's gradient averaged over the shard group into this rank's gradient shard:
-        the ones on their way waited for, the rest sent now."""
+        the one on its way waited for, the rest sent now."""
         t0 = M.now(units[0].full[0].device)
+        self._finish()
         for u in units:
-            finish_reduce(u, self.reducing.pop(u, None) or start_reduce(u))
-        self.seen = {}
+            if u not in self.sent:
+                finish_reduce(u, start_reduce(u))
+        self.seen, self.sent = {}, set()
         self.waits.append((t0, M.now(units[0].full[0].device)))
 
     def exposed_ms(self):
@@ -498,6 +510,10 @@ def start_reduce(u):
 def finish_reduce(u, reducing):
     """The average over the shard group into the gradient shard; ZeRO-2/3 drop the full gradient."""
     FSDP.add_reduced(reducing, replace=True)
+    drop_grads(u)
+
+
+def drop_grads(u):
     if u.stage > 1:
         for p in u.params:
             p.grad = None
