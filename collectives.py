@@ -375,7 +375,9 @@ def all_to_all(output, input, output_split_sizes=None, input_split_sizes=None, g
     i (None: N equal parts), and what rank j sends lands in output's part j, cut the same way
     by output_split_sizes. The rows rank i sends rank j must be the rows rank j expects from
     rank i: checking that would cost a message, so a mismatch times out (CommError).
-    The pairwise exchange, every step on the wire at once."""
+    The pairwise exchange, every step on the wire at once: on gloo its N-1 steps are posted
+    together; on NCCL, which runs a communicator's group calls one after another on its
+    stream, they are posted as one group call (each peer gets one message either way)."""
     me, n, ranks = _members(group)
     _check(output.dtype == input.dtype, f"all_to_all: output dtype {output.dtype} != input dtype {input.dtype}")
     _check(output.device == input.device, "all_to_all: output and input are on different devices")
@@ -392,7 +394,10 @@ def all_to_all(output, input, output_split_sizes=None, input_split_sizes=None, g
         recv[me].copy_(send[me])
         # _post skips an empty piece; the peer's matching piece is empty too, so it skips the
         # receive: no empty messages, and the two sides still pair up
-        _run(_pairwise_exchange(send, recv, me, n, ranks), group, max(1, n - 1))
+        steps = _pairwise_exchange(send, recv, me, n, ranks)
+        if _is_nccl(group):  # one batch_isend_irecv, not N-1 serialized ones
+            steps = [([m for s, _, _ in steps for m in s], [m for _, r, _ in steps for m in r], None)]
+        _run(steps, group, max(1, len(steps)))
         _copy_back(output, out)
     return _launch("all_to_all", fn, async_op, input.device, group)
 

@@ -856,3 +856,28 @@ def test_a_destroyed_group_is_freed_before_exit():
     freed during the teardown (where a gloo thread taking the GIL can abort the process)."""
     for sent, freed in spawn(_destroyed_group_is_let_go, 2):
         assert sent > 0 and freed
+
+
+def _all_to_all_group_calls(rank, n):
+    """all_to_all on a group whose backend reads "nccl" (gloo underneath): -> (the
+    batch_isend_irecv calls it made, whether the rows arrived)."""
+    real_backend, real_batch, calls = dist.get_backend, dist.batch_isend_irecv, []
+    g = dist.new_group(list(range(n)))
+    dist.get_backend = lambda group=None: "nccl" if group is g else real_backend(group)
+    dist.batch_isend_irecv = lambda ops: calls.append(len(ops)) or real_batch(ops)
+    try:
+        x = torch.arange(n * 4, dtype=torch.float32) + 100 * rank
+        out = torch.empty_like(x)
+        C.all_to_all(out, x, group=g)
+    finally:
+        dist.get_backend, dist.batch_isend_irecv = real_backend, real_batch
+    want = torch.cat([torch.arange(4 * rank, 4 * rank + 4, dtype=torch.float32) + 100 * j for j in range(n)])
+    dist.destroy_process_group(g)
+    return calls, torch.equal(out, want)
+
+
+def test_all_to_all_is_one_nccl_group_call():
+    """NCCL runs a communicator's group calls in order on one stream, so the pairwise exchange's
+    N-1 steps as N-1 batch_isend_irecv calls would run one after another: on NCCL they are one."""
+    for calls, arrived in spawn(_all_to_all_group_calls, 3):
+        assert arrived and calls == [4], calls  # 2 sends and 2 receives in one group call
