@@ -396,10 +396,12 @@ def deferred_linear(executor, x, weight, bias=None):
 @torch.no_grad()  # x is a tensor of the forward's graph: no graph for its product
 def weight_grads(store):
     """W: dW = dYᵀ x for each linear of a micro-batch, summed over its tokens, accumulated
-    into .grad as autograd accumulates (param.backward(dW): a leaf, so nothing is walked),
-    which also runs the gradient hooks a caller may have set (data parallel buckets)."""
-    for param, x, dy in store:
-        param.backward((dy.flatten(0, -2).t() @ x.flatten(0, -2)).to(param.dtype))  # (out, in)
+    into .grad as autograd accumulates (backward on the parameters: leaves, so nothing is
+    walked; one engine run for them all, not one a linear), which also runs the gradient
+    hooks a caller may have set (data parallel buckets)."""
+    if store:
+        torch.autograd.backward([param for param, _, _ in store],
+                                [(dy.flatten(0, -2).t() @ x.flatten(0, -2)).to(param.dtype) for param, x, dy in store])
 
 
 def store_bytes(store):
