@@ -354,10 +354,13 @@ class Executor(PP.Executor):
     def defer_weight_grads(self):  # --schedule=zb: f and g as in tensor_parallel.py, the matmul's dW to W
         for mod in self.stage.transformer["h"].modules():
             if isinstance(mod, TP.ColumnParallelLinear):
-                mod.forward = lambda x, mod=mod: PP.deferred_linear(self, mod.f(x, mod.group), mod.weight, mod.bias)
+                slot = self.defer(mod.weight)
+                mod.forward = lambda x, mod=mod, slot=slot: PP.deferred_linear(self, mod.f(x, mod.group), mod.weight,
+                                                                               mod.bias, slot)
             elif isinstance(mod, TP.RowParallelLinear):
-                mod.forward = lambda x, mod=mod: mod.g(PP.deferred_linear(self, x, mod.weight), mod.group) + (
-                    0 if mod.bias is None else mod.bias)
+                slot = self.defer(mod.weight)
+                mod.forward = lambda x, mod=mod, slot=slot: mod.g(PP.deferred_linear(self, x, mod.weight, None, slot),
+                                                                  mod.group) + (0 if mod.bias is None else mod.bias)
 
 # -----------------------------------------------------------------------------
 # dp_shard: a stage's units sharded over the shard group (fsdp.py's ZeRO, on module parameters)
