@@ -375,7 +375,9 @@ def all_to_all(output, input, output_split_sizes=None, input_split_sizes=None, g
     i (None: N equal parts), and what rank j sends lands in output's part j, cut the same way
     by output_split_sizes. The rows rank i sends rank j must be the rows rank j expects from
     rank i: checking that would cost a message, so a mismatch times out (CommError).
-    The pairwise exchange, every step on the wire at once."""
+    The pairwise exchange, every step on the wire at once: on gloo its N-1 steps are posted
+    together; on NCCL, which runs a communicator's group calls one after another on its
+    stream, they are posted as one group call (each peer gets one message either way)."""
     me, n, ranks = _members(group)
     _check(output.dtype == input.dtype, f"all_to_all: output dtype {output.dtype} != input dtype {input.dtype}")
     _check(output.device == input.device, "all_to_all: output and input are on different devices")
@@ -392,7 +394,10 @@ def all_to_all(output, input, output_split_sizes=None, input_split_sizes=None, g
         recv[me].copy_(send[me])
         # _post skips an empty piece; the peer's matching piece is empty too, so it skips the
         # receive: no empty messages, and the two sides still pair up
-        _run(_pairwise_exchange(send, recv, me, n, ranks), group, max(1, n - 1))
+        steps = _pairwise_exchange(send, recv, me, n, ranks)
+        if _is_nccl(group):  # one batch_isend_irecv, not N-1 serialized ones
+            steps = [([m for s, _, _ in steps for m in s], [m for _, r, _ in steps for m in r], None)]
+        _run(steps, group, max(1, len(steps)))
         _copy_back(output, out)
     return _launch("all_to_all", fn, async_op, input.device, group)
 
@@ -543,65 +548,65 @@ def use(kind):
 
 
 def _torch_all_reduce(tensor, op="sum", group=None, async_op=False):
-    _charge("all_reduce", _HAND["all_reduce"], (tensor,), dict(op=op, group=group), group)
+    entry = _charge("all_reduce", _HAND["all_reduce"], (tensor,), dict(op=op, group=group), group)
     flat = _flat(tensor)
     work = dist.all_reduce(flat, op=_REDUCE_OP[_op(op, tensor.dtype)], group=group, async_op=async_op)
-    return _finish(work, lambda: _average(op, flat, group), tensor, flat)
+    return _finish(work, lambda: _average(op, flat, group), tensor, flat, entry)
 
 
 def _torch_reduce_scatter(output, input, op="sum", group=None, async_op=False):
-    _charge("reduce_scatter", _HAND["reduce_scatter"], (output, input), dict(op=op, group=group), group)
+    entry = _charge("reduce_scatter", _HAND["reduce_scatter"], (output, input), dict(op=op, group=group), group)
     out = _flat(output)
     work = _reduce_scatter_single(out, _flat(input), op=_REDUCE_OP[_op(op, input.dtype)], group=group,
                                   async_op=async_op)
-    return _finish(work, lambda: _average(op, out, group), output, out)
+    return _finish(work, lambda: _average(op, out, group), output, out, entry)
 
 
 def _torch_all_gather(output, input, group=None, async_op=False):
-    _charge("all_gather", _HAND["all_gather"], (output, input), dict(group=group), group)
+    entry = _charge("all_gather", _HAND["all_gather"], (output, input), dict(group=group), group)
     out = _flat(output)
-    return _finish(_all_gather_single(out, _flat(input), group=group, async_op=async_op), None, output, out)
+    return _finish(_all_gather_single(out, _flat(input), group=group, async_op=async_op), None, output, out, entry)
 
 
 def _torch_all_to_all(output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):
-    _charge("all_to_all", _HAND["all_to_all"], (output, input),
+    entry = _charge("all_to_all", _HAND["all_to_all"], (output, input),
             dict(output_split_sizes=output_split_sizes, input_split_sizes=input_split_sizes, group=group), group)
     out = output.contiguous()
     work = dist.all_to_all_single(out, input.contiguous(), output_split_sizes, input_split_sizes, group=group,
                                   async_op=async_op)
-    return _finish(work, None, output, out)
+    return _finish(work, None, output, out, entry)
 
 
 def _torch_broadcast(tensor, src, group=None, async_op=False):
-    _charge("broadcast", _HAND["broadcast"], (tensor,), dict(src=src, group=group), group)
+    entry = _charge("broadcast", _HAND["broadcast"], (tensor,), dict(src=src, group=group), group)
     flat = _flat(tensor)
-    return _finish(dist.broadcast(flat, src, group=group, async_op=async_op), None, tensor, flat)
+    return _finish(dist.broadcast(flat, src, group=group, async_op=async_op), None, tensor, flat, entry)
 
 
 def _torch_reduce(tensor, dst, op="sum", group=None, async_op=False):
-    _charge("reduce", _HAND["reduce"], (tensor,), dict(dst=dst, op=op, group=group), group)
+    entry = _charge("reduce", _HAND["reduce"], (tensor,), dict(dst=dst, op=op, group=group), group)
     if get_rank() != dst:  # gloo's reduce uses the others' tensors as scratch; ours leaves them as they were
         work = dist.reduce(tensor.flatten().clone(), dst, op=_REDUCE_OP[_op(op, tensor.dtype)], group=group,
                            async_op=async_op)
-        return _finish(work, None, tensor, None)
+        return _finish(work, None, tensor, None, entry)
     flat = _flat(tensor)
     work = dist.reduce(flat, dst, op=_REDUCE_OP[_op(op, tensor.dtype)], group=group, async_op=async_op)
-    return _finish(work, lambda: _average(op, flat, group), tensor, flat)
+    return _finish(work, lambda: _average(op, flat, group), tensor, flat, entry)
 
 
 def _torch_scatter(output, input, src, group=None, async_op=False):
-    _charge("scatter", _HAND["scatter"], (output, input), dict(src=src, group=group), group)
+    entry = _charge("scatter", _HAND["scatter"], (output, input), dict(src=src, group=group), group)
     n, out = get_world_size(group), _flat(output)
     pieces = list(_flat(input).chunk(n)) if get_rank() == src else None
-    return _finish(dist.scatter(out, pieces, src=src, group=group, async_op=async_op), None, output, out)
+    return _finish(dist.scatter(out, pieces, src=src, group=group, async_op=async_op), None, output, out, entry)
 
 
 def _torch_gather(output, input, dst, group=None, async_op=False):
-    _charge("gather", _HAND["gather"], (output, input), dict(dst=dst, group=group), group)
+    entry = _charge("gather", _HAND["gather"], (output, input), dict(dst=dst, group=group), group)
     n, out = get_world_size(group), _flat(output) if output is not None else None
     pieces = list(out.chunk(n)) if get_rank() == dst else None
     work = dist.gather(input.contiguous(), pieces, dst=dst, group=group, async_op=async_op)
-    return _finish(work, None, output, out)
+    return _finish(work, None, output, out, entry)
 
 
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)  # renamed in 2.12
@@ -622,30 +627,39 @@ def _average(op, flat, group):
 class _Finished:
     """A built-in's async work, and what is left to do once it is done (divide, copy back)."""
 
-    def __init__(self, work, then):
-        self._work, self._then = work, then
+    def __init__(self, work, then, entry=None):
+        self._work, self._then, self._entry = work, then, entry
 
     def wait(self):
         self._work.wait()
         if self._then is not None:
             self._then()
             self._then = None
+        if self._entry is not None:
+            _done(self._entry)
         return True
 
     def is_completed(self):
         return self._work.is_completed()
 
 
-def _finish(work, then, tensor, flat):
-    """then() and the copy back into a non-contiguous tensor: now, or at wait() (async_op)."""
+def _finish(work, then, tensor, flat, entry=None):
+    """then() and the copy back into a non-contiguous tensor: now, or at wait() (async_op).
+    entry: the op's flight record, done when the op returns or its wait() does."""
     def done():
         if then is not None:
             then()
         if flat is not None:
             _copy_back(tensor, flat)
     if work is not None:
-        return _Finished(work, done)
+        return _Finished(work, done, entry)
     done()
+    if entry is not None:
+        _done(entry)
+
+
+def _done(entry):  # a built-in's flight record: done now, on a GPU once the stream has passed it
+    entry[5] = _enqueued() if entry[6].type == "cuda" else "done"
 
 
 _would_send = {}  # (op, shapes, dtypes, arguments, group) -> bytes the hand-written op sends from this rank
@@ -654,10 +668,16 @@ _would_send = {}  # (op, shapes, dtypes, arguments, group) -> bytes the hand-wri
 def _charge(name, hand, tensors, kw, group):
     """Count the bytes the hand-written op would send: run it dry once per shape (its steps
     built and counted, nothing posted, on meta tensors), then from the cache."""
-    if _untracked_depth or not _initialized():
-        return
+    if not _initialized():
+        return None
+    link = _link(group)  # the group's ranks in the key, never the group: a cache must not keep a destroyed one alive
+    # the flight record, as the hand-written ops keep it: a hang inside torch's is diagnosed too
+    entry = _flight_entry(name, group, tensors[0].device if tensors[0] is not None else tensors[1].device)
+    entry[4].update(r for r in link.ranks if r != get_rank())
+    if _untracked_depth:
+        return entry
     key = (name, tuple(None if t is None else (t.shape, t.dtype) for t in tensors),
-           tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in kw.items() if k != "group"), _world(group),
+           tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in kw.items() if k != "group"), tuple(link.ranks),
            SMALL_ALL_REDUCE_BYTES, LARGE_REDUCE_BYTES, PAIR_EXCHANGE_BYTES, SEGMENT_BYTES)  # the path it takes
     sent = _would_send.get(key)
     if sent is None:
@@ -669,11 +689,12 @@ def _charge(name, hand, tensors, kw, group):
             sent = _would_send[key] = _running.dry
         finally:
             _running.dry = None
-    link = _link(group)
     with _lock:
         _bytes[name] += sent
         _group_bytes[tuple(link.ranks)] += sent
         _handle_bytes[link.pg] = _handle_bytes.get(link.pg, 0) + sent
+        entry[3] = sent
+    return entry
 
 
 # =============================================================================================
@@ -1035,7 +1056,12 @@ def _enqueued():  # an event after the op's kernels, on the stream they went to 
 
 
 def _state(state):  # "posted", "done", or the CUDA event that says which
-    return state if isinstance(state, str) else "done" if state.query() else "posted"
+    if isinstance(state, str):
+        return state
+    try:
+        return "done" if state.query() else "posted"
+    except RuntimeError:  # a sticky CUDA error makes every query raise: not known done, so still waited for
+        return "posted"
 
 
 def diagnose(wait_s=None):

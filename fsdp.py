@@ -61,10 +61,13 @@ def gather_dtype(name, low):
     """The one place that says what a unit's full copy of a parameter is: what autocast computes
     with. A block's linear weights and biases in `low` (bf16 in a bf16 run: half the bytes sent,
     the very rounding autocast does); LayerNorm and the ends in fp32, since autocast keeps
-    LayerNorm and the embedding lookup in fp32 (the head casts the tied matrix as autocast does).
-    Gathering everything in bf16, as PyTorch FSDP's MixedPrecision(param_dtype=bf16) does, sends
-    fewer bytes but runs the norms and the embedding on rounded weights: a slightly other model."""
-    return low if name.startswith(("attn.", "mlp.")) else torch.float32
+    LayerNorm and the embedding lookup in fp32 (the head casts the tied matrix as autocast does),
+    and a mixture's router (model.route computes it in fp32). Gathering everything in bf16, as
+    PyTorch FSDP's MixedPrecision(param_dtype=bf16) does, sends fewer bytes but runs the norms
+    and the embedding on rounded weights: a slightly other model. name: in the block
+    ("attn.c_attn.weight"), or in parallel_nd.py's stage ("transformer.h.3.attn.c_attn.weight")."""
+    name = name.split(".", 3)[3] if name.startswith("transformer.h.") else name
+    return low if name.startswith(("attn.", "mlp.")) and not name.startswith("mlp.router") else torch.float32
 
 
 class Unit:

@@ -354,10 +354,13 @@ class Executor(PP.Executor):
     def defer_weight_grads(self):  # --schedule=zb: f and g as in tensor_parallel.py, the matmul's dW to W
         for mod in self.stage.transformer["h"].modules():
             if isinstance(mod, TP.ColumnParallelLinear):
-                mod.forward = lambda x, mod=mod: PP.deferred_linear(self, mod.f(x, mod.group), mod.weight, mod.bias)
+                slot = self.defer(mod.weight)
+                mod.forward = lambda x, mod=mod, slot=slot: PP.deferred_linear(self, mod.f(x, mod.group), mod.weight,
+                                                                               mod.bias, slot)
             elif isinstance(mod, TP.RowParallelLinear):
-                mod.forward = lambda x, mod=mod: mod.g(PP.deferred_linear(self, x, mod.weight), mod.group) + (
-                    0 if mod.bias is None else mod.bias)
+                slot = self.defer(mod.weight)
+                mod.forward = lambda x, mod=mod, slot=slot: mod.g(PP.deferred_linear(self, x, mod.weight, None, slot),
+                                                                  mod.group) + (0 if mod.bias is None else mod.bias)
 
 # -----------------------------------------------------------------------------
 # dp_shard: a stage's units sharded over the shard group (fsdp.py's ZeRO, on module parameters)
@@ -412,7 +415,7 @@ class ShardComm:
             for key, after in zip(keys, keys[1:]):
                 self.next.setdefault(key, after)
         self.forward_order = order[0] + ["head"] if reshard else []  # one chunk: the ends, the blocks, the head
-        self.sync, self.waits, self.gathering, self.reducing, self.seen = False, [], {}, {}, {}
+        self.sync, self.waits, self.gathering, self.reducing, self.seen, self.sent = False, [], {}, None, {}, set()
         for u in early if overlap else []:
             for p in u.params:
                 p.register_post_accumulate_grad_hook(partial(self._accumulated, u))
@@ -458,15 +461,27 @@ class ShardComm:
         if self.sync:
             self.seen[u] = self.seen.get(u, 0) + 1
             if self.seen[u] == len(u.params):  # u's gradient is complete: on its way now
-                self.reducing[u] = start_reduce(u)
+                # fsdp.py's order: the previous unit's reduce-scatter finished (its flat copy freed)
+                # as this one starts, and this one's .grad dropped (the flat copy is on its way),
+                # so backward ends holding one unit's gradient in flight, not two copies of all
+                self._finish()
+                self.reducing, self.sent = (u, start_reduce(u)), self.sent | {u}
+                drop_grads(u)
+
+    def _finish(self):
+        if self.reducing:
+            finish_reduce(*self.reducing)
+            self.reducing = None
 
     def reduce_scatter(self, units):
         """Every unit's gradient averaged over the shard group into this rank's gradient shard:
-        the ones on their way waited for, the rest sent now."""
+        the one on its way waited for, the rest sent now."""
         t0 = M.now(units[0].full[0].device)
+        self._finish()
         for u in units:
-            finish_reduce(u, self.reducing.pop(u, None) or start_reduce(u))
-        self.seen = {}
+            if u not in self.sent:
+                finish_reduce(u, start_reduce(u))
+        self.seen, self.sent = {}, set()
         self.waits.append((t0, M.now(units[0].full[0].device)))
 
     def exposed_ms(self):
@@ -498,6 +513,10 @@ def start_reduce(u):
 def finish_reduce(u, reducing):
     """The average over the shard group into the gradient shard; ZeRO-2/3 drop the full gradient."""
     FSDP.add_reduced(reducing, replace=True)
+    drop_grads(u)
+
+
+def drop_grads(u):
     if u.stage > 1:
         for p in u.params:
             p.grad = None
@@ -505,9 +524,10 @@ def finish_reduce(u, reducing):
 
 class FullState:
     """What model.py's checkpoints see of the sharded optimizer: its param_groups (the
-    learning rate), and a `state` keyed by the stage's full (tp-sliced) parameters, so a
-    checkpoint holds global tensors that any layout loads: unshard() fills it before a
-    save; restore() fills it from a checkpoint, and reshard() hands it to the shards."""
+    learning rate), and a `state` keyed by the stage's full (tp-sliced) parameters (a bf16
+    part's: their fp32 copies, gather_masters), so a checkpoint holds global tensors that any
+    layout loads: unshard() fills it before a save; restore() fills it from a checkpoint, and
+    reshard() hands it to the shards."""
 
     def __init__(self, optimizer):
         self.optimizer, self.state = optimizer, {}
@@ -527,16 +547,17 @@ def unshard(dp):
     with C.untracked():
         for u in dp.units:
             gather_once(u)
-            (_, _, _, size), = u.parts  # the mesh's units are float32: one part
+            gather_masters(u)
             moments = {}
             for m in M.MOMENTS:
-                mine = torch.zeros_like(u.full[0])  # this rank's pieces, where they lie in the full buffer
-                views = dict(zip(map(id, u.params), u.views([mine])))
+                mine = [torch.zeros_like(t) for t in u.masters]  # this rank's pieces, where they lie in the full part
+                views = dict(zip(map(id, u.params), u.views(mine)))
                 for _, piece, p, lo, hi in u.mine:
                     views[id(p)].view(-1)[lo:hi] = optimizer.state[piece][m].reshape(-1)
-                moments[m] = torch.empty_like(u.full[0])
-                C.all_gather(moments[m], mine[u.rank * size:(u.rank + 1) * size].clone(), group=u.group)
-            for p, *views in zip(u.params, *(u.views([moments[m]]) for m in M.MOMENTS)):
+                moments[m] = [torch.empty_like(t) for t in mine]
+                for out, flat, (*_, size) in zip(moments[m], mine, u.parts):
+                    C.all_gather(out, flat[u.rank * size:(u.rank + 1) * size].clone(), group=u.group)
+            for p, *views in zip(u.master_views, *(u.views(moments[m]) for m in M.MOMENTS)):
                 full_state.state[p] = dict(zip(M.MOMENTS, views))
 
 
@@ -545,10 +566,11 @@ def reshard(units, full_state, optimizer):
     """After restore() loaded the full parameters and their moments: each rank keeps its shard
     of both (and the step count), as the run had them when it saved."""
     for u in units:
-        for shard, full, (*_, size) in zip(u.shards, u.full, u.parts):
-            shard.copy_(full[u.rank * size:(u.rank + 1) * size])
+        for shard, master, (*_, size) in zip(u.shards, u.masters, u.parts):
+            shard.copy_(master[u.rank * size:(u.rank + 1) * size])
+        master_of = dict(zip(map(id, u.params), u.master_views))
         for _, piece, p, lo, hi in u.mine:
-            state = full_state.state.get(p)
+            state = full_state.state.get(master_of[id(p)])
             if state:
                 optimizer.state[piece] = dict(step=state["step"].clone(), **{
                     m: state[m].reshape(-1)[lo:hi].reshape(piece.shape).clone() for m in M.MOMENTS})
@@ -730,14 +752,19 @@ def build_data_parallel(run, cfg, mesh, me, groups, stage):
     dp.params = [p for p in stage.parameters() if not hasattr(p, "ep_index")]
     dp.replicated = TP.split_params(stage)[1]
     if dp.zero:
-        keyed = [(key, FSDP.Unit(named, groups["dp_shard"], dp.zero, run.device, name=str(key)))
+        after_forward = frees_after_forward(cfg, mesh)
+        # gathered in the compute dtype, as fsdp.py does, where the weights are freed after forward:
+        # gathered in fp32, each linear's autocast copy would be saved for backward, all of them
+        # alive from forward to backward. (Kept to the step's end, in a pipeline, the weights'
+        # gradients accumulate over micro-batches: in fp32, so the units stay fp32 there.)
+        low = torch.bfloat16 if cfg.dtype == "bfloat16" and after_forward else torch.float32
+        keyed = [(key, FSDP.Unit(named, groups["dp_shard"], dp.zero, run.device, low, name=str(key)))
                  for key, named in stage.units()]
         dp.units = [u for _, u in keyed]
         tied = stage.tied()
         early = [] if cfg.sequence_parallel else [u for u in dp.units if all(p is not tied for p in u.params)]
         order = [[k for k in ["ends"] * (c in (0, stage.n_chunks - 1)) + list(stage.chunks[c]) if k in dict(keyed)]
                  for c in stage.chunks]  # each chunk's units in the order its forward takes them
-        after_forward = dp.zero == 3 and mesh.pp == 1 and cfg.n_micro == 1  # fsdp.py's: freed after forward
         dp.live = FSDP.LiveUnits()  # an instrument: the most units gathered at once in a step
         for u in dp.units:
             u.live = dp.live
@@ -760,10 +787,16 @@ def build_data_parallel(run, cfg, mesh, me, groups, stage):
         M.restore(run, entries, dp.optimizer)  # both tied copies are loaded
         return dp
     dp.full_state = FullState(dp.optimizer)  # the checkpoint holds full tensors: loaded whole, then cut
+    masters = {}  # a parameter -> its fp32 full weights, which the checkpoint holds (a bf16 part's: apart)
     with C.untracked():
         for u in dp.units:
             gather_once(u) if dp.zero == 3 else u.gather()  # the full weights, to load into (or to keep)
-    M.restore(run, entries, dp.full_state)
+            u.masters = [full if full.dtype == torch.float32 else torch.empty(full.shape, device=full.device)
+                         for full in u.full]
+            gather_masters(u)
+            u.master_views = [p if p.dtype == torch.float32 else view for p, view in zip(u.params, u.views(u.masters))]
+            masters.update(zip(u.params, u.master_views))
+    M.restore(run, [(name, masters.get(p, p), *rest) for name, p, *rest in entries], dp.full_state)
     reshard(dp.units, dp.full_state, dp.optimizer)
     dp.optimizer.state.update({p: dp.full_state.state[p] for p in dp.experts if p in dp.full_state.state})
     dp.full_state.state.clear()
@@ -773,10 +806,28 @@ def build_data_parallel(run, cfg, mesh, me, groups, stage):
 
 def free_units(dp):
     """ZeRO-3 at the step's end: a pipeline's units, kept from their first use (with one
-    micro-batch and no pipeline they are freed already, ShardComm), and after validation."""
-    if dp.zero == 3:
-        for u in dp.units:
+    micro-batch and no pipeline they are freed already, ShardComm), and after validation;
+    the fp32 copies of bf16 parts a checkpoint read (gather_masters)."""
+    for u in dp.units:
+        if dp.zero == 3:
             u.free()
+        for master, full in zip(u.masters, u.full):
+            if master is not full:
+                master.untyped_storage().resize_(0)
+
+
+def frees_after_forward(cfg, mesh):
+    """ZeRO-3 with one micro-batch and no pipeline frees each unit after its forward (ShardComm)."""
+    return getattr(cfg, "zero_stage", 3) == 3 and mesh.pp == 1 and cfg.n_micro == 1
+
+
+def gather_masters(u):
+    """A bf16 part's fp32 full weights (what a checkpoint holds), all-gathered from the master shards."""
+    for master, full, shard in zip(u.masters, u.full, u.shards):
+        if master is not full:
+            if not master.untyped_storage().nbytes():
+                master.untyped_storage().resize_(master.numel() * master.element_size())
+            C.all_gather(master, shard, group=u.group)
 
 
 def train_step(dp, stage, executor, plan, rows, cfg, groups, me):
@@ -984,6 +1035,19 @@ def unit_sizes(config, tp, pp, stage, schedule=None, v=1):
     return [ends] * (first or last) + [block] * n_blocks
 
 
+def unit_parts(config, cfg, mesh, stage, place=(None, 1)):
+    """Each ZeRO unit's parts on one tp rank of `stage`, as fsdp.Unit lays them out, each padded
+    apart: [[(elements, bytes each when gathered)]]. One fp32 part; under bf16 with the units freed
+    after forward (frees_after_forward), a block's linear layers in bf16 (fsdp.gather_dtype: their
+    weights and biases, on this tp rank; a mixture's, its attention's), its norms (and a router) apart."""
+    sizes = unit_sizes(config, mesh.tp, mesh.pp, stage, *place)
+    n_blocks, h, bias = held(config, mesh.pp, stage, *place)[0], config.n_embd, int(config.bias)
+    low = getattr(cfg, "dtype", "float32") == "bfloat16" and frees_after_forward(cfg, mesh)
+    linear = block_params(config)[0] // mesh.tp + (1 if config.n_expert else 2) * h * bias  # + row-parallel biases
+    return [[(linear, 2), (n - linear, 4)] if low and i >= len(sizes) - n_blocks else [(n, 4)]
+            for i, n in enumerate(sizes)]
+
+
 Message = namedtuple("Message", "axis stage what op n nbytes count")
 
 
@@ -1024,12 +1088,13 @@ def axis_messages(config, cfg, mesh, routed=None):
     alltoall = getattr(cfg, "dispatch", "alltoall") != "allgather"
     ulysses = getattr(cfg, "cp_method", "ring") == "ulysses"  # q, k, v, out by all-to-all, and back
     # ZeRO-3 with one micro-batch and no pipeline frees a unit after forward and gathers it again (ShardComm)
-    gathers = 2 if getattr(cfg, "zero_stage", 3) == 3 and pp == 1 and m == 1 else 1
+    gathers = 2 if frees_after_forward(cfg, mesh) else 1
     out = []
     for k in range(pp):
         n_blocks, first, last = held(config, pp, k, *place)
         sharded, replicated = stage_params(config, tp, pp, k, *place)
-        kept = sum(-(-n // S) for n in unit_sizes(config, tp, pp, k, *place)) if S > 1 else sharded + replicated
+        parts = [p for unit in unit_parts(config, cfg, mesh, k, place) for p in unit] if S > 1 else []
+        kept = sum(-(-n // S) for n, _ in parts) if S > 1 else sharded + replicated
         ring = m * n_blocks * cp * (cp - 1)  # every rank of the ring, every hop, every block, every micro-batch
         out += [Message("tp", k, "blocks, head", region, tp, b * s * h * d, m * ((2 if E else 4) * n_blocks + last)),
                 Message("tp", k, "rerun", "all_gather" if sp else "all_reduce", tp, b * s * h * d,
@@ -1042,7 +1107,7 @@ def axis_messages(config, cfg, mesh, routed=None):
                 Message("cp", k, "dk, dv", "p2p", cp, kv * 4, ring * (not ulysses)),
                 Message("cp", k, "q, k, v, out", "p2p", cp, kv // 2 // cp * d, 4 * (2 + rerun) * ring * ulysses),
                 Message("cp", k, "gradients", "all_reduce", cp, 4 * kept, 1),
-                Message("dp_shard", k, "weights", "all_gather", S, 4 * S * kept, gathers),
+                Message("dp_shard", k, "weights", "all_gather", S, sum(S * -(-n // S) * b for n, b in parts), gathers),
                 Message("dp_shard", k, "gradients", "reduce_scatter", S, 4 * S * kept, 1),
                 Message("dp_shard", k, "norm", "all_reduce", S, 4, clip),
                 Message("dp_replicate", k, "gradients", "all_reduce", R, 4 * kept, 1)]
@@ -1097,8 +1162,9 @@ def axis_bytes(config, cfg, mesh, stage=None, routed=None):
                     the rank holds (Ψ_k floats, or its P_k/S under dp_shard)
       dp_shard      (S-1)·4P_k for the all-gather of the stage's units (twice under ZeRO-3
                     with pp = 1 and m = 1: forward, and again before backward, as fsdp.py's
-                    traffic_per_rank counts), as much for the reduce-scatter of their
-                    gradients, + 1 float (the norm)
+                    traffic_per_rank counts; in bf16 there the blocks' linear layers in 2
+                    bytes, each part padded apart: unit_parts), as much for the reduce-scatter
+                    of their gradients (4 bytes), + 1 float (the norm)
       dp_replicate  one all-reduce of the gradients the rank holds, float32 (Ψ_k or P_k/S)
       pp            2·(pp·v-1)·m activations of b·s·h floats (b·s·h/tp with sequence parallel:
                     each tp rank sends its own positions), + 2·V/tp·h floats (the tie) + 1 float;
@@ -1139,7 +1205,7 @@ def state_per_rank(config, cfg, mesh, stage, shard_rank):
     total = 16 * expert_params(config, getattr(cfg, "ep", 1), mesh.pp, stage, *place) if config.n_expert else 0
     if S == 1:
         return total + 16 * sum(stage_params(config, mesh.tp, mesh.pp, stage, *place))
-    for n in unit_sizes(config, mesh.tp, mesh.pp, stage, *place):
+    for n, _ in [p for unit in unit_parts(config, cfg, mesh, stage, place) for p in unit]:
         size = -(-n // S)
         real = min(max(n - shard_rank * size, 0), size)
         total += {3: 8 * size, 2: 4 * S * size + 4 * size, 1: 8 * S * size}[cfg.zero_stage] + 8 * real

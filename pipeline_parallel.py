@@ -353,53 +353,72 @@ def checkpoint_entries(stage, write=True):
 
 
 class DeferredLinear(torch.autograd.Function):
-    """y = x Wᵀ + b, whose backward computes x's gradient and b's, and appends (param, x, dY)
-    to `store` for W, instead of computing W's: Megatron's weight-gradient store, and the
-    zero-bubble paper's implementation, do the same. x and weight come in autocast's dtype
-    (deferred_linear casts them), `into` is (param, store): param the weight's float32
-    parameter that W adds to. The weight comes detached, and param inside a tuple (autograd
-    does not look inside one): neither is an input of B's graph. Were it one, autograd would
-    run its gradient hooks in B with no gradient, and data parallelism's buckets, counting
-    the parameters whose gradient is complete, would send it before W had computed it."""
+    """y = x Wᵀ + b, whose backward computes x's gradient and b's, and leaves (param, x, dY)
+    in the store for W (input_grad), instead of computing W's: Megatron's weight-gradient
+    store, and the zero-bubble paper's implementation, do the same. x and weight come in
+    autocast's dtype (deferred_linear casts them); `slot` names the weight's float32 parameter
+    that W adds to (Executor.defer). The weight comes detached: not an input of B's graph.
+    Were it one, autograd would run its gradient hooks in B with no gradient, and data
+    parallelism's buckets, counting the parameters whose gradient is complete, would send it
+    before W had computed it."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, into):
+    def forward(ctx, x, weight, bias, slot):
         ctx.save_for_backward(x, weight)
-        ctx.into = into
+        ctx.slot = slot
         return nn.functional.linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
-        param, store = ctx.into
-        # x detached: x's grad_fn leads back to this node, which holds the store; a cycle
-        # through autograd's C++ graph that Python's collector cannot see, and every step's
-        # stores would stay in memory (a leak of 16h numbers a token a layer each step)
-        store.append((param, x.detach(), dy))
         db = dy.flatten(0, -2).sum(0) if ctx.needs_input_grad[2] else None
-        return dy @ weight, None, db, None
+        return input_grad(x, dy, weight, ctx.slot), None, db, None
 
 
-def deferred_linear(executor, x, weight, bias=None):
+_backward = None  # the Executor whose backward runs now: input_grad fills its store
+
+
+# B's one side effect, the store's append, is an operator of its own. torch.compile traces the
+# backward above into the compiled graph, where a Python append is a graph break ("unsafe side
+# effect": each linear, and the block around it, back to eager); an operator it calls as it is,
+# when the graph runs. (Each import of this file defines its own: the exercises import a fresh
+# copy, whose executor this one must not look for.)
+@torch.library.custom_op(f"pipeline_parallel_{id(globals())}::input_grad", mutates_args=())
+def input_grad(x: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor, slot: int) -> torch.Tensor:
+    """dX = dY W; (x, dY) left in the running backward's store for W. Detached: a store that
+    held x's grad_fn would hold the graph, and every step's stores would leak."""
+    _backward.store.append((_backward.deferred[slot], x.detach(), dy.detach()))
+    return dy @ weight
+
+
+@input_grad.register_fake
+def _(x, dy, weight, slot):  # the shape, for the compiler's tracing
+    return dy.new_empty(*dy.shape[:-1], weight.shape[-1])
+
+
+def deferred_linear(executor, x, weight, bias=None, slot=None):
     """F.linear(x, weight, bias) through DeferredLinear, into the store of the micro-batch the
-    executor runs. Under autocast, its inputs cast first as autocast casts F.linear's (the
-    cast's backward brings the bias's gradient back to float32, as in the one-process run)."""
+    executor runs (slot: executor.defer(weight)). Under autocast, its inputs cast first as
+    autocast casts F.linear's (the cast's backward brings the bias's gradient back to float32,
+    as in the one-process run)."""
     if executor.store is None:  # a forward without W (evaluation; a plan that does not split)
         return nn.functional.linear(x, weight, bias)
     w, b = weight.detach(), bias  # the weight's gradient is W's: no edge to it in B
     if torch.is_autocast_enabled(x.device.type):
         dtype = torch.get_autocast_dtype(x.device.type)
         x, w, b = x.to(dtype), w.to(dtype), None if b is None else b.to(dtype)
-    return DeferredLinear.apply(x, w, b, (weight, executor.store))
+    return DeferredLinear.apply(x, w, b, slot)
 
 
 @torch.no_grad()  # x is a tensor of the forward's graph: no graph for its product
 def weight_grads(store):
     """W: dW = dYᵀ x for each linear of a micro-batch, summed over its tokens, accumulated
-    into .grad as autograd accumulates (param.backward(dW): a leaf, so nothing is walked),
-    which also runs the gradient hooks a caller may have set (data parallel buckets)."""
-    for param, x, dy in store:
-        param.backward((dy.flatten(0, -2).t() @ x.flatten(0, -2)).to(param.dtype))  # (out, in)
+    into .grad as autograd accumulates (backward on the parameters: leaves, so nothing is
+    walked; one engine run for them all, not one a linear), which also runs the gradient
+    hooks a caller may have set (data parallel buckets)."""
+    if store:
+        torch.autograd.backward([param for param, _, _ in store],
+                                [(dy.flatten(0, -2).t() @ x.flatten(0, -2)).to(param.dtype) for param, x, dy in store])
 
 
 def store_bytes(store):
@@ -429,6 +448,7 @@ class Executor:
         self.device = self.params[0].device
         self.count_saved = model is None  # compiled graphs don't take saved-tensor hooks
         self.store = None  # the W store of the micro-batch computing now (zb, zbv)
+        self.deferred = []  # the weights whose gradient W computes, by slot (defer)
         self.deferring = False  # the blocks' linears go through deferred_linear
 
     def run(self, actions, batch, train=True, stamps=None):
@@ -459,7 +479,14 @@ class Executor:
         stage whose blocks hold other linear layers (tensor parallel's) overrides this."""
         for linear in self.stage.transformer["h"].modules():
             if isinstance(linear, nn.Linear):
-                linear.forward = lambda x, linear=linear: deferred_linear(self, x, linear.weight, linear.bias)
+                slot = self.defer(linear.weight)
+                linear.forward = lambda x, linear=linear, slot=slot: deferred_linear(self, x, linear.weight,
+                                                                                    linear.bias, slot)
+
+    def defer(self, weight):
+        """-> the slot by which B's store names `weight` (an int: the compiled graph holds it as a constant)"""
+        self.deferred.append(weight)
+        return len(self.deferred) - 1
 
     def exchange(self, a):
         """send_forward (an activation to the next chunk's rank), send_backward (a gradient
@@ -504,8 +531,12 @@ class Executor:
         c, k = a.chunk, a.micro
         inp, out, _, store = self.held.pop((c, k))
         grad = None if c == self.stage.n_chunks - 1 else self.mail.pop(Message("grad", c + 1, k))
-        self.store = store  # --recompute=full reruns the forward here: into the same store
-        out.backward(grad)
+        global _backward
+        self.store, _backward = store, self  # --recompute=full reruns the forward here: into the same store
+        try:
+            out.backward(grad)
+        finally:
+            _backward = None
         if c > 0:
             self.mail[Message("grad", c, k)] = inp.grad
         if self.split:  # autograd has freed the graph; the store is held until W

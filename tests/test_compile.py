@@ -56,3 +56,26 @@ def test_parallel_nd_compiles_with_dp_shard(train_args):
     steps = ["--model=tiny_2", "--max_iters=2", "--eval_interval=0"]
     losses = spawn(_dp_shard, 2, train_args, steps, timeout=600)[0]
     assert len(losses["compiled"]) == 2 and losses["compiled"] == pytest.approx(losses["eager"], abs=1e-5), losses
+
+
+def test_zero_bubble_compiles_without_graph_breaks(train_args, monkeypatch):
+    """--schedule=zb and zbv under --compile: B's store of each linear's input and output
+    gradient (pipeline_parallel.input_grad) runs inside the compiled backward, with no graph
+    break (what TORCH_LOGS=graph_breaks prints, dynamo's graph_break counter), and W's gradients
+    train as in eager mode. A Python append in the traced backward broke the graph at every
+    linear (4 a block, "Unsafe side effect"), each falling back to eager."""
+    from torch._dynamo.utils import counters
+    import pipeline_parallel
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
+    monkeypatch.setitem(M.PRESETS, "tiny_2", dict(M.PRESETS["tiny"], n_layer=2))
+    torch.set_num_threads(1)
+    steps = ["--model=tiny_2", "--max_iters=2", "--eval_interval=0", "--n_micro=2"]
+    for schedule in ("zb", "zbv"):
+        flags = train_args + steps + [f"--schedule={schedule}"]
+        counters.clear()
+        with contextlib.redirect_stdout(io.StringIO()):
+            eager = [r["loss"] for r in pipeline_parallel.main(flags)]
+            compiled = [r["loss"] for r in pipeline_parallel.main(flags + ["--compile=True"])]
+        assert counters["stats"]["unique_graphs"] > 0, schedule  # it compiled
+        assert not counters["graph_break"], (schedule, dict(counters["graph_break"]))
+        assert len(compiled) == 2 and max(abs(a - b) for a, b in zip(eager, compiled)) < 1e-5, (schedule, eager, compiled)

@@ -106,3 +106,22 @@ def test_diagnosis_from_records():
     assert re.fullmatch(r"rank 0 and rank 1 issued different collectives as #5 on \[0, 1\]: all_reduce and "
                         r"broadcast; .*", C._diagnosis(records, [])), C._diagnosis(records, [])
     assert C._diagnosis({0: {"0": [[0, 1], [[5, "all_reduce", 64, [1], "done"]]]}}, []) == ""
+
+
+@pytest.mark.quick
+def test_record_read_after_a_cuda_error():
+    """After a sticky CUDA error every event query raises; the record is read then, to diagnose:
+    an op whose event cannot say is still waited for, and nothing raises."""
+    import torch
+    import collectives as C
+
+    class Broken:
+        def query(self):
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+    with C._lock:
+        C._flight["x"] = ([0, 1], [[0, "all_reduce", "x", 64, {1}, Broken(), torch.device("cuda")]])
+    try:
+        assert C.flight_record()["x"] == [[0, 1], [[0, "all_reduce", 64, [1], "posted"]]]
+    finally:
+        with C._lock:
+            del C._flight["x"]

@@ -50,6 +50,23 @@ def test_speed_verdict():
     assert not G.speed_verdict(470e3, 500e3, 989e12, 8.5e8, 0.95)[0]  # 0.94 of the plain loop
     assert not G.speed_verdict(0, 500e3, None, 8.5e8, 0.95)[0]
     assert "unknown" in G.speed_verdict(500e3, 500e3, None, 8.5e8, 0.95)[1]
+    # the bound on a GPU: T/(T + H), T the plain loop's step (16 x 1024 tokens at 400k tok/s: 41 ms)
+    bound = G.min_speed(16 * 1024, 400e3, "cuda")
+    assert bound == pytest.approx(40.96 / (40.96 + G.HOST_STEP_MS))
+    assert not G.speed_verdict(0.93 * 400e3, 400e3, 989e12, 8.5e8, bound)[0]
+    assert G.min_speed(16 * 1024, 400e3, "cpu") == G.MIN_SPEED_CPU
+
+
+@pytest.mark.quick
+def test_host_cost_verdict():
+    """Each op's host cost on a GPU at most the CPU's measured figure for it; a CPU is not judged."""
+    good = dict(G.HOST_US_MAX)
+    assert G.host_verdict(good, "cuda")[0]
+    assert not G.host_verdict(dict(good, **{"all_reduce 4K": good["all_reduce 4K"] + 1}), "cuda")[0]
+    assert G.host_verdict({k: 10 * v for k, v in good.items()}, "cpu")[0]
+    assert set(G.HOST_US_MAX) == {f"{op} {size >> 10}K" for op, size in G.HOST_OPS}
+    assert all(sum(G.PARTS[p][1] for p in c.split(",")) <= 300 for c in G.COMMANDS)  # each command ~5 min
+    assert sorted(p for c in G.COMMANDS for p in c.split(",")) == sorted(G.PARTS)
 
 
 def test_device_verdict_and_fake_cuda(monkeypatch):

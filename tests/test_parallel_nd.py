@@ -427,3 +427,100 @@ def test_zb_with_tp_and_cp(train_args):
                 same = [b for _, b, _ in run] == [b for _, b, _ in ref] if name == "zb" else \
                     [sum(b) for _, b, _ in run] == [sum(b) for _, b, _ in ref]
                 assert same, (axis, name, run, ref)
+
+
+def _sharded_memory(rank, world, train_args):
+    """One step of dp_shard 2 (ZeRO-3 and ZeRO-2, overlapped): the gradient bytes alive when
+    backward ends (every float storage made during the step and still alive then, but the
+    weights', and every .grad), and the bytes of one unit's parameters, the largest.
+    -> {zero stage: (live bytes, a unit's bytes, all units' bytes)}"""
+    import gc
+    import warnings
+    out, original, begun = {}, P.reduce_gradients, {}
+
+    def storages():
+        with warnings.catch_warnings():  # gc's objects include torch.distributed's deprecated names
+            warnings.simplefilter("ignore")
+            tensors = [t for t in gc.get_objects() if isinstance(t, torch.Tensor) and t.is_floating_point()]
+        return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+
+    def measured(dp, stage, *args):
+        weights = {p.untyped_storage().data_ptr() for p in stage.parameters()}
+        live = {k: n for k, n in storages().items() if k not in begun and k not in weights}
+        live.update({p.grad.untyped_storage().data_ptr(): p.grad.untyped_storage().nbytes()
+                     for p in stage.parameters() if p.grad is not None})
+        units = [sum(4 * p.numel() for p in u.params) for u in dp.units]
+        out[dp.zero] = (sum(live.values()), max(units), sum(units))
+        return original(dp, stage, *args)
+
+    def step(*args):
+        begun.clear()
+        begun.update(storages())
+        return train_step(*args)
+    train_step, P.reduce_gradients, P.train_step = P.train_step, measured, step
+    try:
+        for zero in (3, 2):
+            _quiet(P.main, train_args + mesh_flags(1, 1, 2) + [f"--zero_stage={zero}", "--max_iters=1",
+                                                               "--eval_interval=0"])
+    finally:
+        P.reduce_gradients, P.train_step = original, train_step
+    return out
+
+
+def test_dp_shard_gradient_memory(train_args):
+    """When backward ends, a dp_shard rank holds about one unit's gradient (the one on its way,
+    as its flat copy) and the ends' (tied: reduced after backward), as fsdp.py does: each unit's
+    .grad is dropped once its reduce-scatter starts, and the previous one finished then. Kept to
+    reduce_gradients, every .grad and its flat copy would be over twice the stage's gradient."""
+    got = spawn(_sharded_memory, 2, train_args, timeout=120)
+    assert sorted(got[0]) == [2, 3]
+    for zero, (live, unit, units) in got[0].items():
+        assert units > 10 * unit  # a bound that can fail: the stage is 13 units
+        # measured 0.98 MB: the ends' .grad (0.09 MB) and block 0's reduce-scatter in flight, its
+        # flat copy, output shard and ring chunk (2 units at 2 ranks); 13.5 MB before the fix
+        assert live <= 2.5 * unit, (zero, live, unit, units)
+
+
+def _zero3_bf16(rank, world, train_args, out):
+    """dp_shard 2 (ZeRO-3) and fsdp.py in bf16, 2 steps each, the mesh's resumed from its step-1
+    checkpoint: -> (the mesh's records, the resumed run's, fsdp.py's, the most bytes of bf16
+    weights autograd held for backward at once, one block's linear weights in bf16). The saved tensors are seen through model.saved_bytes' hook, which the
+    pipeline's executor installs around each forward."""
+    import weakref
+    import fsdp
+    held, peak, counting = [], [0], M._counting
+    config = M.make_config("tiny", VOCAB, BLOCK)
+    weights = {s for p in M.GPT(config).parameters() if p.dim() == 2 for s in (p.shape, p.shape[::-1])}
+
+    def record(t):
+        if t.dtype == torch.bfloat16 and t.shape in weights:  # a weight, or its transpose (not an activation)
+            held.append(weakref.ref(t))
+            live = {x.untyped_storage().data_ptr(): x.untyped_storage().nbytes() for x in map(lambda r: r(), held)
+                    if x is not None}
+            peak[0] = max(peak[0], sum(live.values()))
+    M._counting = lambda pack: counting(lambda t: record(t) or pack(t))
+    flags = train_args + BF16_ARGS + ["--max_iters=2"]
+    try:
+        mesh = _quiet(P.main, flags + mesh_flags(1, 1, 2) + [f"--out_dir={out}", "--ckpt_interval=1"])[0]
+    finally:
+        M._counting = counting
+    resumed = _quiet(P.main, flags + mesh_flags(1, 1, 2) + [f"--resume={out}/step_000001"])[0]
+    return mesh, resumed, _quiet(fsdp.main, flags)[0], peak[0], 2 * P.unit_parts(config, M.parse_args(
+        P.DEFAULTS, flags + mesh_flags(1, 1, 2) + ["--n_micro=1"]), P.Mesh(1, 1, 2, 1, 1), 0)[-1][0][0]
+
+
+def test_dp_shard_zero3_bf16(train_args, reference_bf16, tmp_path):
+    """The mesh's ZeRO-3 in bf16 gathers a block's linear layers in bf16, as fsdp.py does: half
+    their all-gather bytes, the same as fsdp.py's at the same model, and the very weights autocast
+    computes with, so no linear saves a bf16 copy of its own for backward: freed after forward,
+    the unit takes its weights with it (measured: at most the unit computing, 0.22 MB at tiny;
+    with fp32 gathers, every block's bf16 copy lived from forward to backward, 2.7 MB). Its
+    losses those of the one-process bf16 run, its bytes and state axis_bytes' and state_per_rank's;
+    its checkpoint holds the fp32 master weights (not the bf16 copy it computes with), so the run
+    resumed from it repeats the next loss exactly."""
+    mesh, resumed, fsdp_records, peak, block = spawn(_zero3_bf16, 2, train_args, str(tmp_path), timeout=300)[0]
+    assert_logs_match(mesh, reference_bf16[:2], BF16_TOL)
+    assert [r["loss"] for r in resumed] == [mesh[1]["loss"]]
+    check_bytes(mesh, train_args + BF16_ARGS + ["--max_iters=2"] + mesh_flags(1, 1, 2))
+    assert [r["comm_bytes"] for r in mesh] == [r["comm_bytes"] for r in fsdp_records]
+    assert 0 < peak <= 1.5 * block, (peak, block)

@@ -232,7 +232,8 @@ def test_b_leaves_the_weights_gradients_to_w(monkeypatch):
     of those has a gradient yet, and the micro-batch's store holds 4 linears a block, their
     inputs and output gradients (16h numbers a token a layer). After W, every gradient is
     1F1B's (the full backward's). A deferred weight's gradient hooks (data parallelism's
-    buckets count on them) run in W, once a micro-batch, never in B: were the weight an input
+    buckets count on them) run in W (one autograd engine run for all its linears), once a
+    micro-batch, never in B: were the weight an input
     of B's graph, autograd would run them there with no gradient, and the mesh's buckets sent
     the weights' gradients before W had computed them (the bug this caught, on zb with
     --dp_replicate or --dp_shard, from 2e-3 off the one-process loss at the second step)."""
@@ -248,10 +249,13 @@ def test_b_leaves_the_weights_gradients_to_w(monkeypatch):
     def first_w(store):
         at_w.append(({n for n, p in stage.named_parameters() if p.grad is None}, store_bytes(store), len(store)))
         kept.extend(weakref.ref(t) for _, x, dy in store for t in (x, dy))
+        runs.clear()
         weight_grads(store)
-    kept = []
+        engine_runs.append(len(runs))
+    kept, runs, engine_runs, engine = [], [], [], torch.autograd.backward
     store_bytes = PP.store_bytes
     monkeypatch.setattr(PP, "weight_grads", first_w)
+    monkeypatch.setattr(torch.autograd, "backward", lambda *a, **k: runs.append(1) or engine(*a, **k))
     executor = PP.Executor(stage, (b, BLOCK, config.n_embd), m)
     fired, kind = [], []  # (parameter's name, the action it fired in)
     for n, p in stage.named_parameters():
@@ -262,6 +266,7 @@ def test_b_leaves_the_weights_gradients_to_w(monkeypatch):
     executor.run(PP.plan("zb", 1, m, 0), batch)
     deferred = {n for n, p in stage.transformer["h"].named_parameters(prefix="transformer.h") if p.dim() == 2}
     assert len(at_w) == m and at_w[0][0] == deferred and len(deferred) == 4 * config.n_layer
+    assert engine_runs == [1] * m  # one autograd engine run a W, not one a linear
     assert sorted(fired) == sorted((n, "W" if n in deferred else "B") for n, _ in stage.named_parameters()
                                    for _ in range(m))
     # after the step nothing holds a store's tensors: the store must not be reachable from the
