@@ -402,12 +402,28 @@ def nonneg_fit(rows):
         keep = [k for k, c in zip(keep, sol) if c > 0]
 
 
+def samples(trace):
+    """-> (compute stretches, link samples) of a trace, each the median of its traced steps (the same
+    program every step, item by item), as the measured step is their median: a rank descheduled by
+    other work in one step moves neither."""
+    steps = sorted({e["args"]["step"] for e in trace["traceEvents"] if e.get("cat") == "step"})
+    comp, wire = [], []
+    for step in steps:
+        _, progs, meas = programs(trace, step)
+        comp.append(stretches(progs, meas))
+        wire.append(link_samples(progs, meas))
+    middle = [[(*rows[0][:-1], statistics.median(x[-1] for x in rows)) for rows in zip(*every)]
+              for every in (comp, wire) if all(len(rows) == len(every[0]) for rows in every)]
+    if len(middle) < 2:  # steps that differ (a run whose program changes): every sample as it is
+        middle = [sum(comp, []), sum(wire, [])]
+    return middle
+
+
 def calibrate(runs):
-    """F, op_s from the compute stretches; call_s, alpha and 1/beta from the ops' times."""
-    comp = [(f, o, s) for progs, meas in runs for f, o, s in stretches(progs, meas)]
-    inv_f, op_s = nonneg_fit(comp)
-    wire = [(1.0, m, b, s) for progs, meas in runs for m, b, s in link_samples(progs, meas)]
-    call_s, alpha, inv_beta = nonneg_fit(wire)
+    """F, op_s from the compute stretches; call_s, alpha and 1/beta from the ops' times.
+    runs: samples() of each trace."""
+    inv_f, op_s = nonneg_fit([row for comp, _ in runs for row in comp])
+    call_s, alpha, inv_beta = nonneg_fit([(1.0, *row) for _, wire in runs for row in wire])
     beta = 1 / inv_beta if inv_beta > 0 else 1e12
     return dict(flops=1 / inv_f if inv_f > 0 else 1e15, op_s=op_s, call_s=call_s, alpha=alpha, beta=beta,
                 alpha_x=alpha, beta_x=beta)
@@ -478,7 +494,7 @@ def check(args, folder):
     runs = [r for r in RUNS if not args.only or any(o in r[0] for o in args.only)]
     traces = run_traces(runs, args.worlds, folder, timeout=args.timeout)
     got = {key: programs(trace)[1:] for key, trace in traces.items()}
-    two = {k: v for k, v in got.items() if k[1] == 2}
+    two = {k: samples(traces[k]) for k in got if k[1] == 2}
     if not two:
         raise TraceError("no run at 2 ranks to calibrate on")
     here_all = calibrate(list(two.values()))
@@ -598,7 +614,7 @@ def what_if(args, folder):
                       f"{1e3 * max(row['exposed_s']):>15.2f}  {assumed:<40} {published if name == 'ddp' and published else '-'}",
                       flush=True)
     print("(each row: its traced step at the model's depth and width 64, scaled to the shape; "
-          ", ".join(f"{t[0]}: {t[3]} sequences of {t[2]['block_size']} a GPU" for t in TARGETS) + ")")
+          + ", ".join(f"{t[0]}: {t[3]} sequences of {t[2]['block_size']} a GPU" for t in TARGETS) + ")")
 
 
 def main(argv=None):

@@ -148,6 +148,6 @@ def test_a_real_trace_counts_the_models_flops_and_matches_every_message(train_ar
         counted = sum(item[1] for prog in progs for item in prog if item[0] == "compute")
         # torch's count of the matmuls and attention: the formula's 6N + 12·L·H·Q·T a token
         assert counted == pytest.approx(M.flops_per_token(config) * tokens, rel=0.03), name
-        fit = R.calibrate([(progs, measured)])  # the link and the compute rate from this trace itself
+        fit = R.calibrate([R.samples(t)])  # the link and the compute rate from this trace itself
         row = R.summary(R.replay(progs, R.cluster("here", **fit)))
         assert 0 < row["step_s"] and len(row["busy_s"]) == 2, name
