@@ -17,7 +17,7 @@ Below the fence: init_distributed(timeout_s=None, backend=None) -> (rank, world_
 local_rank, device), shutdown(), get_rank/get_world_size/group_ranks(group=None),
 new_group(ranks); bytes_sent(group=None), bytes_by_op(), bytes_by_group(), reset_bytes(),
 untracked(); CommError, a wait that failed, naming the ranks it was waiting for;
-trace_on(), trace_off() -> spans, labelled(name) (model.py's --trace); flight_record(),
+trace_on(count=None), trace_off() -> spans, labelled(name) (model.py's --trace); flight_record(),
 diagnose(wait_s=None) -> (one line: which rank is behind where, the ranks that answered);
 use("torch") / use("hand"): torch.distributed's own collectives in these names' place
 (model.py's --collectives), bytes still counted as these would send them.
