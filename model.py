@@ -1095,7 +1095,7 @@ def begin_iter(run, it, evaluate):
     set_lr(run.optimizer, run.record["lr"])
     C.reset_bytes()
     if cfg.trace and it in cfg.trace_range:
-        trace_begin(run)
+        trace_begin(run, counting=it == cfg.trace_range[0])
     run.cpu0 = time.process_time()  # all of this process's threads (gloo's too): is the host the bottleneck?
     run.t0 = now(run.device)
 
@@ -1194,8 +1194,9 @@ def elapsed(t0, t1):
 # the step's start); on the CPU, time.perf_counter, which every process of a machine shares
 # (ranks on several machines would be offset by their clocks' difference).
 # Every span on the compute row also carries the running count of this rank's ops and their
-# FLOPs at its ends ("at", "upto": [stamp number, FLOPs, ops]): the work between any two
-# spans, which bench/trace_replay.py replays on a modeled cluster.
+# FLOPs at its ends ("at", "upto": [stamp number, FLOPs, ops]; counted in the first traced
+# step, numbers only in the others): the work between any two spans, which
+# bench/trace_replay.py replays on a modeled cluster.
 
 _tracer = None  # while a traced step runs: (its compute spans, the device, the clock's base, the _Count)
 
@@ -1204,14 +1205,17 @@ class _Count(TorchDispatchMode):
     """The ops this thread dispatches and their FLOPs, as torch's flop counter counts them
     (matmuls and attention; the elementwise rest costs ops, not FLOPs). Thread-local: the
     collectives' workers, whose reductions are communication, are not counted. Called: a
-    stamp [its number on this rank, FLOPs so far, ops so far]; the numbers are the issue order."""
+    stamp [its number on this rank, FLOPs so far, ops so far]; the numbers are the issue order.
+    Counting costs a Python call an op (a third of tiny's step on a CPU), so only the first
+    traced step counts (its program is every step's): the others stamp [number, None, None]."""
     SDPA_CPU = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: flop_counter.sdpa_flop_count,
                 torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward:
                     flop_counter.sdpa_backward_flop_count}  # not in torch's registry: q, k, v (grad first)
 
-    def __init__(self):
+    def __init__(self, counting):
         super().__init__()
         self.seq = self.flops = self.ops = 0
+        self.counting = counting
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -1227,7 +1231,7 @@ class _Count(TorchDispatchMode):
 
     def __call__(self):
         self.seq += 1
-        return [self.seq, self.flops, self.ops]
+        return [self.seq, self.flops, self.ops] if self.counting else [self.seq, None, None]
 _NO_SPAN = nullcontext()
 
 
@@ -1268,15 +1272,15 @@ def trace_range(text):
     return steps
 
 
-def trace_begin(run):
+def trace_begin(run, counting=True):
     global _tracer
     base = None
     if run.device.type == "cuda":  # one point known on both clocks: the host's now and an event
         torch.cuda.synchronize(run.device)
         base = (time.perf_counter(), now(run.device))
     # torch.compile's kernels bypass the dispatcher: a compiled run's trace has no counts
-    count = _Count() if not run.cfg.compile else None
-    if count is not None:
+    count = _Count(counting and not run.cfg.compile)
+    if count.counting:
         count.__enter__()
     _tracer = ([], run.device, base, count)
     C.trace_on(count)
@@ -1288,9 +1292,9 @@ def trace_end(run, it):
     comm = C.trace_off()
     spans, device, base, count = _tracer
     _tracer = None
-    if count is not None:
+    if count.counting:
         count.__exit__(None, None, None)
-        end = count()
+    end = count()
     # The step's end is recorded before the device is synchronized, so that every event read
     # below has completed: elapsed_time raises on one that has not (torch checks both events).
     step_end = now(device)
@@ -1301,7 +1305,7 @@ def trace_end(run, it):
         return 1e6 * (t if isinstance(t, float) else base[0] + base[1].elapsed_time(t) / 1000)
 
     spans = [dict(name=f"step {it}", cat="step", row="main", t0=run.t0, t1=step_end, bytes=0,
-                  at=[0, 0, 0] if count else None, upto=end if count else None)] + spans + comm
+                  at=[0, 0, 0] if count.counting else [0, None, None], upto=end)] + spans + comm
     for s in spans:
         ts = us(s["t0"])
         event = dict(name=s["name"], cat=s["cat"], ph="X", ts=round(ts, 3), dur=round(max(0.0, us(s["t1"]) - ts), 3),
@@ -1317,7 +1321,7 @@ def trace_end(run, it):
             event["args"]["at"] = s["at"]
             if s.get("upto") is not None and s["row"] == "main":
                 event["args"]["upto"] = s["upto"]
-                if s["cat"] == "compute":
+                if s["cat"] == "compute" and count.counting:
                     event["args"]["flops"] = s["upto"][1] - s["at"][1]
         run.trace.append(event)
 

@@ -64,10 +64,27 @@ def load(path):
     return trace
 
 
+def counted_step(trace):
+    """The traced step that counted its work (model.py counts the first; the others stamp only
+    the order), or None."""
+    for e in trace["traceEvents"]:
+        if e.get("cat") == "step" and e["args"].get("upto", [None, None])[1] is not None:
+            return e["args"]["step"]
+    return None
+
+
+def timed_steps(trace):
+    """The traced steps whose times the counting did not slow (all of them if only one was traced)."""
+    steps = sorted({e["args"]["step"] for e in trace["traceEvents"] if e.get("cat") == "step"})
+    return [s for s in steps if s != counted_step(trace)] or steps
+
+
 def programs(trace, step=None, world=None):
-    """-> (step, [per rank: its program], measured) for one traced step (default: the median one).
-    A program: ("compute", flops, ops, name) | ("post"|"sync", op) | ("wait", op), op a dict with
-    its group, kind and messages. measured: per rank (step start, step length, [points])."""
+    """-> (step, [per rank: its program], measured) for one traced step (default: the median of the
+    uncounted ones), its work as the counted step counted it (the same program every step).
+    A program: ("compute", flops, ops, name) | (kind, op, t0, t1), kind "post", "sync" or "wait",
+    op a dict with its group, kind and messages, t0 and t1 the step's times of the item (us).
+    measured: per rank (step start, step length, its events)."""
     info = trace.get("otherData", {})
     if "world" not in info:
         raise TraceError("the trace does not say its world size (made before the replay's format): retrace it")
@@ -75,30 +92,33 @@ def programs(trace, step=None, world=None):
     if world is not None and world != n:
         raise TraceError(f"the trace has {n} ranks and the cluster {world}: trace the program at {world} ranks")
     events = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
-    step = timeline.median_step(events) if step is None else step
+    counted = counted_step(trace)
+    if counted is None:
+        raise TraceError("the trace has no work counts (at/upto: an older --trace, or a --compile run): "
+                         "retrace it with this code's --trace, without --compile")
     if step is None:
-        raise TraceError("the trace holds no step")
-    mine = [[e for e in events if e["pid"] == r and e["args"].get("step") == step] for r in range(n)]
+        timed = set(timed_steps(trace))
+        step = timeline.median_step([e for e in events if e["args"].get("step") in timed])
     progs, measured = [], []
-    for r, evs in enumerate(mine):
-        steps = [e for e in evs if e["cat"] == "step"]
-        if not steps:
-            raise TraceError(f"the trace is cut short: rank {r} has no step {step}")
-        if "upto" not in steps[0]["args"]:
-            raise TraceError("the trace has no work counts (at/upto: an older --trace, or a --compile run): "
-                             "retrace it with this code's --trace, without --compile")
-        head = steps[0]
+    for r in range(n):
+        evs, work = ([e for e in events if e["pid"] == r and e["args"].get("step") == s] for s in (step, counted))
+        steps, heads = [e for e in evs if e["cat"] == "step"], [e for e in work if e["cat"] == "step"]
+        if not steps or not heads:
+            raise TraceError(f"the trace is cut short: rank {r} has no step {step if not steps else counted}")
+        head, count = steps[0], {e["args"]["at"][0]: e["args"] for e in work if "at" in e["args"]}
+        if order(evs) != order(work):
+            raise TraceError(f"rank {r} did other work in step {step} than in step {counted}, the counted one")
         points = sorted((e for e in evs if e["cat"] in ("comm", "wait") and "at" in e["args"]),
                         key=lambda e: e["args"]["at"][0])
-        compute = sorted((e for e in evs if e["cat"] == "compute"), key=lambda e: e["args"]["at"][0])
-        prog, cur, ops = [], head["args"]["at"], {}
+        compute = sorted((e for e in work if e["cat"] == "compute"), key=lambda e: e["args"]["at"][0])
+        prog, cur, ops = [], heads[0]["args"]["at"], {}
         for e in points + [None]:
-            at = e["args"]["at"] if e is not None else head["args"]["upto"]
+            a = count[e["args"]["at"][0]] if e is not None else heads[0]["args"]
+            at = a["at"] if e is not None else a["upto"]
             if at[2] > cur[2] or at[1] > cur[1]:
                 prog.append(("compute", at[1] - cur[1], at[2] - cur[2], label(compute, cur[0], at[0])))
             if e is None:
                 break
-            a = e["args"]
             if e["cat"] == "wait":
                 if a.get("of") not in ops:
                     raise TraceError(f"the trace is cut short: rank {r}'s {e['name']!r} waits for an op it never issued")
@@ -110,7 +130,7 @@ def programs(trace, step=None, world=None):
                       frm={int(k): v for k, v in a.get("frm", {}).items()}, seq=a["at"][0], event=e)
             ops[op["seq"]] = op
             if e["tid"] == 1:
-                posted = a.get("posted_us", e["ts"])
+                posted = e["args"].get("posted_us", e["ts"])
                 prog.append(("post", op, posted, posted))
                 cur = a["at"]
             else:
@@ -119,6 +139,12 @@ def programs(trace, step=None, world=None):
         progs.append(prog)
         measured.append((head["ts"], head["dur"], evs))
     return step, progs, measured
+
+
+def order(evs):
+    """A step's stamped spans in issue order, by name: the same program every step."""
+    return [e["name"] for e in sorted((e for e in evs if "at" in e["args"] and e["cat"] != "step"),
+                                      key=lambda e: e["args"]["at"][0])]
 
 
 def label(compute, first, last):
@@ -329,10 +355,10 @@ def as_trace(out, info):
 # ----------------------------------------------------------------------------- measured, and calibration
 
 def step_lengths(trace):
-    """Each traced step's length (its slowest rank's), seconds."""
-    length = {}
+    """Each timed step's length (its slowest rank's), seconds."""
+    length, timed = {}, set(timed_steps(trace))
     for e in trace["traceEvents"]:
-        if e.get("cat") == "step":
+        if e.get("cat") == "step" and e["args"]["step"] in timed:
             length[e["args"]["step"]] = max(length.get(e["args"]["step"], 0), e["dur"] / 1e6)
     return [length[k] for k in sorted(length)]
 
@@ -406,9 +432,8 @@ def samples(trace):
     """-> (compute stretches, link samples) of a trace, each the median of its traced steps (the same
     program every step, item by item), as the measured step is their median: a rank descheduled by
     other work in one step moves neither."""
-    steps = sorted({e["args"]["step"] for e in trace["traceEvents"] if e.get("cat") == "step"})
     comp, wire = [], []
-    for step in steps:
+    for step in timed_steps(trace):
         _, progs, meas = programs(trace, step)
         comp.append(stretches(progs, meas))
         wire.append(link_samples(progs, meas))
