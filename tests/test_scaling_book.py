@@ -5,7 +5,8 @@ jax-ml/scaling-book@1a55377affc9ee8f10b549f689ad57e813623a7e gpus.md (its sectio
 LLM Scaling on GPUs" and the quizzes 4 and 5). Each test names the question and the book's
 figure; each holds it to the book's own rounding. Where the project answers another question,
 the test holds the project's number and says which question each answers (docs/planning.md,
-"The scaling book's answers"). Arithmetic only: no launch, milliseconds in all.
+"The scaling book's answers"). Arithmetic only, no launch: milliseconds each (quick), but the
+tensor-parallel bound's search over ranks (seconds).
 """
 import json
 import math
@@ -36,37 +37,44 @@ def rows():
     return {(r["gpu"], r["where"]): r for r in R.gpu_dp_rows(P.CLUSTERS)}
 
 
+@pytest.mark.quick
 def test_dp_inside_a_node_2200_tokens():
     """'Within a node, we just need the per-GPU token batch size > 990e12 / 450e9 = 2200.'"""
     assert round(rows()[("H100", "node")]["book"], -2) == 2200
 
 
+@pytest.mark.quick
 def test_dp_across_nodes_2475_tokens():
     """'Within an SU or at the spine level, BS > 990e12 / 400e9 = 2475.' (989 TFLOP/s here: 2472)"""
     assert rows()[("H100", "across")]["book"] == pytest.approx(2475, rel=2e-3)
 
 
+@pytest.mark.quick
 def test_dp_deepseek_h800_3300_tokens():
     """DeepSeek v3 on H800s, 300 GB/s: '990e12 / 300e9 = 3300 tokens per GPU'."""
     assert round(dp_tokens(H100["peak"], 300e9), -2) == 3300
 
 
+@pytest.mark.quick
 def test_dp_llama3_16k_gpus_40m_tokens():
     """'LLaMA-3, which trained on 16000 H100s would need a batch size of at least 40M tokens.'"""
     assert round(16000 * dp_tokens(H100["peak"], NODE_EGRESS), -7) == 40e6
 
 
+@pytest.mark.quick
 def test_dp_two_nodes_halves_it_1237():
     """'When we do only e.g. 2-node data parallelism ... B / N > 1237, half the above value': the
     ring's (X-1)/X at X = 2 nodes, as ddp.traffic_per_rank counts 2(N-1)/N."""
     assert dp_tokens(H100["peak"], NODE_EGRESS, ring=1 / 2) == pytest.approx(1237, rel=2e-3)
 
 
+@pytest.mark.quick
 def test_dp_moe_79200_tokens():
     """MoE, 'k=4 and E=128, this increases to 32 * 2475 = 79,200 across nodes'."""
     assert dp_tokens(H100["peak"], NODE_EGRESS, ratio=4 / 128) == pytest.approx(79200, rel=2e-3)
 
 
+@pytest.mark.quick
 def test_b200_dp_across_nodes_5625_and_tp_intensity_2500():
     """Quiz 5, question 1: B200 'critical batch size increases to 2250e12 / 400e9 = 5625'; for TP
     inside a node 'the critical intensity goes up to 2250e12 / 900e9 = 2500'."""
@@ -75,6 +83,7 @@ def test_b200_dp_across_nodes_5625_and_tp_intensity_2500():
     assert B200["peak"] == M.device_peak("NVIDIA B200")
 
 
+@pytest.mark.quick
 def test_tp_llama3_f28672_about_11_across_13_inside():
     """'Y < F · W / C ... For F = 28000 like LLaMA-3, this is about 11-way TP (or rounding down, about
     8-way, which is how large a node is)': F/2475, the across-node intensity, is 11.3. Quiz 5
@@ -100,6 +109,7 @@ def test_tp_limit_16_here_is_the_books_8_before_the_node_rounds_it():
     assert min(tp["tp_max"], H100["gpus_per_node"]) == min(math.floor(mlp_only), H100["gpus_per_node"]) == 8
 
 
+@pytest.mark.quick
 def test_all_gather_inside_a_node_is_b_over_514e9():
     """Quiz 4, question 5: 'At the node level, we have T = B * 7 / (8 * 450e9) = B / 514e9.'
     plan_cluster.coll_time's bandwidth term for 8 ranks on NVLink."""
@@ -108,6 +118,7 @@ def test_all_gather_inside_a_node_is_b_over_514e9():
     assert b / t == pytest.approx(514e9, rel=1e-3)
 
 
+@pytest.mark.quick
 def test_all_gather_across_two_nodes_is_another_question():
     """Quiz 4, question 5 across: B * (2 - 1) / (2 * 400e9) = B / 800e9, a hierarchical all-gather
     (only half the bytes leave a node, over all eight NICs). The project's rings are flat, and
@@ -119,6 +130,7 @@ def test_all_gather_across_two_nodes_is_another_question():
     assert b / t == pytest.approx(16 / 15 * 50e9, rel=1e-3)
 
 
+@pytest.mark.quick
 def test_llama3_70b_weights_and_adam_need_9_h100s():
     """Quiz 5, question 2.1: '2 bytes for the weights and 8 for the optimizer state, so at least
     700GB ... at least 9 GPUs'. The project's planner counts more (Megatron's 18 bytes: fp32
@@ -127,6 +139,7 @@ def test_llama3_70b_weights_and_adam_need_9_h100s():
     assert math.ceil(70e9 * sum(P.STATE["megatron"][0]) / H100["mem"]) == 16
 
 
+@pytest.mark.quick
 def test_llama3_70b_on_4096_h100s_takes_40_days():
     """Quiz 5, question 2.2: 6 · 70e9 · 15e12 = 6.3e24 FLOPs at 45% MFU on 4096 H100s: 3.5e6 s,
     '40 days'. model.flops_per_token on plan_cluster's 70b (this GPT at Llama-2-70B's depth and
@@ -137,6 +150,7 @@ def test_llama3_70b_on_4096_h100s_takes_40_days():
     assert round(seconds, -5) == 3.5e6 and round(seconds / 86400) == 40
 
 
+@pytest.mark.quick
 def test_megatron_tokens_per_gpu_and_their_thresholds():
     """Quiz 5, question 3, on the Megatron-Core table bench/published_runs.json holds: tokens a GPU
     16B 4096, 70B 2048, 314B 2048; with 16- and 64-way model parallelism across nodes the spine's
