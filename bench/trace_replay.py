@@ -456,7 +456,7 @@ def calibrate(runs):
 
 # ----------------------------------------------------------------------------- the check on this machine
 
-RUNS = [  # (label, script, flags): every strategy, and the pipeline's five schedules
+RUNS = [  # (label, module, flags or {world: flags}): every strategy, and the pipeline's five schedules
     ("ddp bucketed", "ddp", ["--mode=bucketed", "--bucket_mb=0.5"]),
     ("ddp overlap", "ddp", ["--mode=overlap", "--bucket_mb=0.5"]),
     ("fsdp zero3", "fsdp", []),
@@ -469,6 +469,7 @@ RUNS = [  # (label, script, flags): every strategy, and the pipeline's five sche
     ("pipeline interleaved", "pipeline_parallel", ["--schedule=interleaved", "--n_micro=8"]),
     ("pipeline zb", "pipeline_parallel", ["--schedule=zb", "--n_micro=8"]),
     ("pipeline zbv", "pipeline_parallel", ["--schedule=zbv", "--n_micro=8"]),
+    ("mesh tp x dp", "parallel_nd", {2: ["--dp_replicate=1", "--tp=2"], 4: ["--dp_replicate=2", "--tp=2"]}),
 ]
 COMMON = ["--model=tiny", "--batch_size=32", "--block_size=64", "--dtype=float32", "--eval_interval=0",
           "--log_interval=0", "--max_iters=7", "--trace_steps=2-6"]
@@ -483,6 +484,7 @@ def traced_all(rank, world, runs, data_dir, out, common=None):
     errors = {}
     for name, module, flags in runs:
         path = os.path.join(out, f"{name}_{world}.json".replace(" ", "_"))
+        flags = flags.get(world, []) if isinstance(flags, dict) else flags  # flags by world size
         try:
             importlib.import_module(module).main((common or COMMON) + [f"--data_dir={data_dir}", *flags,
                                                                       f"--trace={path}"])
