@@ -20,7 +20,8 @@ of work costs FLOPs / F + ops x op_s; a collective on a rank costs call_s + the 
 peers it sends to (or hears from, whichever is more) of messages x alpha + bytes / beta of
 that link, and the member that takes longest decides (docs/formulas.md's alpha-beta costs,
 counted from the trace's own messages). With `cores` < ranks the ranks computing at once
-share the cores (processor sharing): a rank that waits lends its core.
+share the cores (processor sharing): a rank that waits lends its core, and an async op in
+flight (its thread copies and reduces) takes a share as a computing rank does.
 
 --check calibrates F, op_s (the compute stretches) and the link (each collective's and
 message's time from its last member's arrival to its end) on the 2-rank runs but the one it
@@ -249,6 +250,7 @@ def replay(progs, cl, flop_scale=1.0, byte_scale=1.0):
     started = [None] * n  # when the current compute stretch or block began
 
     pending = []  # ops issued and not yet ended
+    dated = []    # async ops whose start and end are known (they share the cores on a CPU)
 
     def settle():
         """Date what the issued ops now allow: an op is ready once its group's previous op on the
@@ -274,6 +276,8 @@ def replay(progs, cl, flop_scale=1.0, byte_scale=1.0):
                             ends[key] = max(arrive[key].values()) + max(cost[key].values())
                 if op["ready"] is not None and all(k in ends for k in op["keys"]):
                     op["end"] = max(ends[k] for k in op["keys"]) if op["keys"] else op["ready"] + cl["call_s"]
+                    if op["row"] == 1:
+                        dated.append(op)
                     out[r]["spans"].append((op["ready"], op["end"] - op["ready"], "comm", op["name"], op["row"]))
                     changed = True
             pending[:] = [op for op in pending if op["end"] is None]
@@ -316,8 +320,11 @@ def replay(progs, cl, flop_scale=1.0, byte_scale=1.0):
         running = [r for r in range(n) if states[r] == "run"]
         if all(s == "done" for s in states):
             break
-        rate = 1.0 if not cl["cores"] else min(1.0, cl["cores"] / max(1, len(running)))
+        # on shared cores an async op's thread (the copies, the reduction) takes a share as compute does
+        moving = [op for op in dated if op["ready"] <= now < op["end"]] if cl["cores"] else []
+        rate = 1.0 if not cl["cores"] else min(1.0, cl["cores"] / max(1, len(running) + len(moving)))
         times = [now + left[r] / rate for r in running]
+        times += [t for op in dated for t in (op["ready"], op["end"]) if t > now]
         for r in range(n):
             if states[r] == "block":
                 op = progs[r][pc[r]][1]
@@ -331,6 +338,7 @@ def replay(progs, cl, flop_scale=1.0, byte_scale=1.0):
             left[r] -= (t - now) * rate
             out[r]["busy"] += t - now  # wall time computing, slowed or not by sharing a core
         now = t
+        dated[:] = [op for op in dated if op["end"] > now]
     return out
 
 
