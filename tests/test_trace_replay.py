@@ -83,6 +83,17 @@ def test_an_async_op_runs_beside_the_compute_it_overlaps():
 
 
 @pytest.mark.quick
+def test_on_shared_cores_an_async_op_takes_a_share():
+    """Two ranks on two cores, each computing 1 s beside its own 1 s all-reduce: while the two ops'
+    threads run, four jobs share the two cores, so half the compute is done by 1.001 s and the rest
+    alone after: 1.5 s, where a core each for the ranks and their threads (a GPU's copy engines)
+    hides the op: 1.001 s."""
+    ranks = [[("post", "all_reduce", [0, 1], {1 - r: 1e6}), ("compute", 1e9), ("wait", 0)] for r in range(2)]
+    assert step_of(trace(ranks))["step_s"] == pytest.approx(1.001)
+    assert step_of(trace(ranks), cores=2)["step_s"] == pytest.approx(1.5005)
+
+
+@pytest.mark.quick
 def test_a_message_arrives_after_its_sender_posted_it():
     """The pipeline's hand-over: rank 0 computes 1 s and sends 1000 bytes; rank 1, waiting in its
     receive from the start, gets them at 1 + 0.001 + 0.001 s and computes 1 s more."""
