@@ -91,7 +91,8 @@ def programs(trace, step=None, world=None):
         raise TraceError("the trace does not say its world size (made before the replay's format): retrace it")
     n = info["world"]
     if world is not None and world != n:
-        raise TraceError(f"the trace has {n} ranks and the cluster {world}: trace the program at {world} ranks")
+        raise TraceError(f"the trace has {n} ranks and the cluster {world}: trace the program at {world} ranks "
+                         f"(or give the cluster {n} with --nodes and --per_node)")
     events = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
     counted = counted_step(trace)
     if counted is None:
@@ -703,9 +704,14 @@ def main(argv=None):
         world = None if args.cluster == "here" else args.nodes * cl["per_node"]
         step, progs, meas = programs(trace, args.step, world)
         out = replay(progs, cl)
-        row = summary(out)
-        print(f"{info.get('strategy', '?')} on {len(progs)} ranks, step {step}: predicted {1e3 * row['step_s']:.2f} ms "
-              f"(measured {1e3 * measured_step(meas):.2f} ms here)")
+        flops = None
+        if cl["peak"] and "model" in info:  # the model's FLOPs a step, as the log's MFU counts them
+            import model as M
+            flops = M.flops_per_token(M.GPTConfig(**info["model"])) * info["batch_size"] * info["model"]["block_size"]
+        row = summary(out, flops, cl["peak"])
+        print(f"{info.get('strategy', '?')} on {len(progs)} ranks, step {step}: predicted {1e3 * row['step_s']:.2f} ms"
+              + (f", MFU {100 * row['mfu']:.1f}%" if "mfu" in row else "")
+              + f" (measured {1e3 * measured_step(meas):.2f} ms where it was traced)")
         for r in range(len(progs)):
             print(f"  rank {r}: busy {1e3 * row['busy_s'][r]:.2f} ms, idle {1e3 * row['idle_s'][r]:.2f} ms, "
                   f"exposed communication {1e3 * row['exposed_s'][r]:.2f} ms")

@@ -80,6 +80,10 @@ def test_an_async_op_runs_beside_the_compute_it_overlaps():
         ranks = [[("post", "all_reduce", [0, 1], {1 - r: 1e6}), ("compute", work), ("wait", 0)] for r in range(2)]
         row = step_of(trace(ranks))
         assert row["step_s"] == pytest.approx(step) and row["exposed_s"][0] == pytest.approx(exposed)
+    # drawn as trace_timeline.py draws a measured trace: the op on each rank's second (async) row
+    out = R.replay(R.programs(trace(ranks))[1], CL)
+    rows, _ = R.timeline.lanes(R.as_trace(out, {})["traceEvents"])
+    assert {(r, row) for r in (0, 1) for row in (0, 1)} <= set(rows) and rows[(0, 1)][0][2] == "comm"
 
 
 @pytest.mark.quick
