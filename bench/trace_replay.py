@@ -45,7 +45,7 @@ sys.path.insert(0, HERE)
 import trace_timeline as timeline  # noqa: E402
 
 P2P = ("send", "recv", "sendrecv")
-PARAM_SYNC = ("ddp", "fsdp")  # strategies whose messages carry parameters or gradients (--scale_to)
+PARAM_SYNC = ("ddp", "fsdp")  # strategies whose messages carry parameters or gradients (scale())
 
 
 class TraceError(Exception):
