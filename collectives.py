@@ -17,7 +17,7 @@ Below the fence: init_distributed(timeout_s=None, backend=None) -> (rank, world_
 local_rank, device), shutdown(), get_rank/get_world_size/group_ranks(group=None),
 new_group(ranks); bytes_sent(group=None), bytes_by_op(), bytes_by_group(), reset_bytes(),
 untracked(); CommError, a wait that failed, naming the ranks it was waiting for;
-trace_on(), trace_off() -> spans, labelled(name) (model.py's --trace); flight_record(),
+trace_on(count=None), trace_off() -> spans, labelled(name) (model.py's --trace); flight_record(),
 diagnose(wait_s=None) -> (one line: which rank is behind where, the ranks that answered);
 use("torch") / use("hand"): torch.distributed's own collectives in these names' place
 (model.py's --collectives), bytes still counted as these would send them.
@@ -959,17 +959,18 @@ def untracked():
 _tracing = False
 _spans = []    # this rank's spans, in the order they were issued
 _label = None  # the name the caller gives the ops it issues now (model.py's span(name, comm=True))
+_count = None  # trace_on(count): the caller's stamps of its work so far ("at", "upto"; model.py's _Count)
 
 
-def trace_on():
-    global _tracing
-    _tracing = True
+def trace_on(count=None):
+    global _tracing, _count
+    _tracing, _count = True, count
 
 
 def trace_off():
     """-> the spans recorded since trace_on(), times still as _stamp() made them."""
-    global _tracing
-    _tracing = False
+    global _tracing, _count
+    _tracing, _count = False, None
     with _lock:
         spans = list(_spans)
         _spans.clear()
@@ -997,7 +998,8 @@ def _stamp(device):
 
 def _trace_span(op, group, device, async_op):
     span = dict(name=_label or op, op=op, cat="comm", row="comm" if async_op else "main", ranks=group_ranks(group),
-                bytes=0, peers=set(), device=device, t0=None, t1=None, posted=_stamp(device) if async_op else None)
+                bytes=0, peers=set(), device=device, t0=None, t1=None, posted=_stamp(device) if async_op else None,
+                to={}, frm={}, at=_count() if _count else None)
     with _lock:
         _spans.append(span)
     return span
@@ -1005,7 +1007,8 @@ def _trace_span(op, group, device, async_op):
 
 def _trace_wait(span, device):
     waited = dict(name=f"wait {span['name']}", op=span["op"], cat="wait", row="main", ranks=span["ranks"],
-                  bytes=0, peers=span["peers"], device=device, t0=_stamp(device), t1=None, posted=None)
+                  bytes=0, peers=span["peers"], device=device, t0=_stamp(device), t1=None, posted=None,
+                  to={}, frm={}, at=_count() if _count else None, of=(span["at"] or [None])[0])
     with _lock:
         _spans.append(waited)
     return waited
@@ -1188,6 +1191,10 @@ def _post(step, link, op, nccl):
     if span is not None:
         span["bytes"] += sent
         span["peers"].update(peer for _, peer, _ in posted)
+        for kind, peer, t in posted:  # each message, by peer and way: what a replay matches and times
+            tally = (span["to"] if kind == "send" else span["frm"]).setdefault(peer, [0, 0])
+            tally[0] += 1
+            tally[1] += t.numel() * t.element_size()
     try:  # gloo refuses to post to a peer it already gave up on (a closed pair)
         if nccl:  # one NCCL group call: the step's sends and receives start together
             return dist.batch_isend_irecv([dist.P2POp(dist.irecv if kind == "recv" else dist.isend, t, peer, link.pg)
@@ -1299,6 +1306,8 @@ class Handle:
             torch.cuda.current_stream(self._device).wait_event(self._event)
         if waited is not None:
             waited["t1"] = _stamp(self._device)  # on a GPU: when the caller's stream got past the op
+            if _count:
+                waited["upto"] = _count()
         self._fn = self._span = None  # held the tensors until the caller's stream was ordered after the op
         return True
 
@@ -1333,6 +1342,8 @@ def _execute(name, tracked, fn, entry=None, span=None):
             out = fn()
         if span is not None:
             span["t1"] = _stamp(span["device"])
+            if _count and span["row"] == "main":
+                span["upto"] = _count()
         if entry is not None:
             entry[5] = "done" if entry[6].type != "cuda" else _enqueued()
         return out

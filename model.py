@@ -29,6 +29,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint
+from torch.utils import flop_counter
+from torch.utils._python_dispatch import TorchDispatchMode
 
 # -----------------------------------------------------------------------------
 # sizes
@@ -1093,7 +1095,7 @@ def begin_iter(run, it, evaluate):
     set_lr(run.optimizer, run.record["lr"])
     C.reset_bytes()
     if cfg.trace and it in cfg.trace_range:
-        trace_begin(run)
+        trace_begin(run, counting=it == cfg.trace_range[0])
     run.cpu0 = time.process_time()  # all of this process's threads (gloo's too): is the host the bottleneck?
     run.t0 = now(run.device)
 
@@ -1191,8 +1193,45 @@ def elapsed(t0, t1):
 # On a GPU the spans are CUDA events, converted once a step (on one clock: the host's at
 # the step's start); on the CPU, time.perf_counter, which every process of a machine shares
 # (ranks on several machines would be offset by their clocks' difference).
+# Every span on the compute row also carries the running count of this rank's ops and their
+# FLOPs at its ends ("at", "upto": [stamp number, FLOPs, ops]; counted in the first traced
+# step, numbers only in the others): the work between any two spans, which
+# bench/trace_replay.py replays on a modeled cluster.
 
-_tracer = None  # while a traced step runs: (its compute spans, the device, the clock's base)
+_tracer = None  # while a traced step runs: (its compute spans, the device, the clock's base, the _Count)
+
+
+class _Count(TorchDispatchMode):
+    """The ops this thread dispatches and their FLOPs, as torch's flop counter counts them
+    (matmuls and attention; the elementwise rest costs ops, not FLOPs). Thread-local: the
+    collectives' workers, whose reductions are communication, are not counted. Called: a
+    stamp [its number on this rank, FLOPs so far, ops so far]; the numbers are the issue order.
+    Counting costs a Python call an op (a third of tiny's step on a CPU), so only the first
+    traced step counts (its program is every step's): the others stamp [number, None, None]."""
+    SDPA_CPU = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: flop_counter.sdpa_flop_count,
+                torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward:
+                    flop_counter.sdpa_backward_flop_count}  # not in torch's registry: q, k, v (grad first)
+
+    def __init__(self, counting):
+        super().__init__()
+        self.seq = self.flops = self.ops = 0
+        self.counting = counting
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        self.ops += 1
+        packet = func._overloadpacket
+        if packet in flop_counter.flop_registry:
+            self.flops += flop_counter.flop_registry[packet](*args, **kwargs, out_val=out)
+        elif packet in self.SDPA_CPU:
+            n = 4 if packet is torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward else 3
+            self.flops += self.SDPA_CPU[packet](*(a.shape for a in args[:n]))
+        return out
+
+    def __call__(self):
+        self.seq += 1
+        return [self.seq, self.flops, self.ops] if self.counting else [self.seq, None, None]
 _NO_SPAN = nullcontext()
 
 
@@ -1206,13 +1245,13 @@ def span(name, comm=False):
 
 @contextmanager
 def _compute_span(name):
-    spans, device, _ = _tracer
-    s = dict(name=name, cat="compute", row="main", t0=now(device), bytes=0)
+    spans, device, _, count = _tracer
+    s = dict(name=name, cat="compute", row="main", t0=now(device), bytes=0, at=count())
     spans.append(s)
     try:
         yield
     finally:
-        s["t1"] = now(device)
+        s["t1"], s["upto"] = now(device), count()
 
 
 def span_between(name, t0, t1):
@@ -1233,22 +1272,29 @@ def trace_range(text):
     return steps
 
 
-def trace_begin(run):
+def trace_begin(run, counting=True):
     global _tracer
     base = None
     if run.device.type == "cuda":  # one point known on both clocks: the host's now and an event
         torch.cuda.synchronize(run.device)
         base = (time.perf_counter(), now(run.device))
-    _tracer = ([], run.device, base)
-    C.trace_on()
+    # torch.compile's kernels bypass the dispatcher: a compiled run's trace has no counts
+    count = _Count(counting and not run.cfg.compile)
+    if count.counting:
+        count.__enter__()
+    _tracer = ([], run.device, base, count)
+    C.trace_on(count)
 
 
 def trace_end(run, it):
     """The step's spans (compute and communication) -> Chrome trace events in run.trace."""
     global _tracer
     comm = C.trace_off()
-    spans, device, base = _tracer
+    spans, device, base, count = _tracer
     _tracer = None
+    if count.counting:
+        count.__exit__(None, None, None)
+    end = count()
     # The step's end is recorded before the device is synchronized, so that every event read
     # below has completed: elapsed_time raises on one that has not (torch checks both events).
     step_end = now(device)
@@ -1258,7 +1304,8 @@ def trace_end(run, it):
     def us(t):  # a stamp from now() or collectives' _stamp -> microseconds on the host's clock
         return 1e6 * (t if isinstance(t, float) else base[0] + base[1].elapsed_time(t) / 1000)
 
-    spans = [dict(name=f"step {it}", cat="step", row="main", t0=run.t0, t1=step_end, bytes=0)] + spans + comm
+    spans = [dict(name=f"step {it}", cat="step", row="main", t0=run.t0, t1=step_end, bytes=0,
+                  at=[0, 0, 0] if count.counting else [0, None, None], upto=end)] + spans + comm
     for s in spans:
         ts = us(s["t0"])
         event = dict(name=s["name"], cat=s["cat"], ph="X", ts=round(ts, 3), dur=round(max(0.0, us(s["t1"]) - ts), 3),
@@ -1267,6 +1314,15 @@ def trace_end(run, it):
             event["args"].update(op=s["op"], group=s["ranks"], peers=sorted(s["peers"]), bytes=s["bytes"])
             if s.get("posted") is not None:
                 event["args"]["posted_us"] = round(us(s["posted"]), 3)
+            event["args"].update(to=s["to"], frm=s["frm"])  # {peer: [messages, bytes]} each way
+            if s.get("of") is not None:
+                event["args"]["of"] = s["of"]  # a wait: the stamp number of the op it waits for
+        if s.get("at") is not None:
+            event["args"]["at"] = s["at"]
+            if s.get("upto") is not None and s["row"] == "main":
+                event["args"]["upto"] = s["upto"]
+                if s["cat"] == "compute" and count.counting:
+                    event["args"]["flops"] = s["upto"][1] - s["at"][1]
         run.trace.append(event)
 
 
@@ -1303,7 +1359,9 @@ def write_trace(run):
     tmp = run.cfg.trace + ".tmp"  # written, then renamed: a reader never sees half a trace
     with open(tmp, "w") as f:
         json.dump(dict(traceEvents=events, displayTimeUnit="ms",
-                       otherData=dict(strategy=run.strategy, world=run.world, steps=list(run.cfg.trace_range))), f)
+                       otherData=dict(strategy=run.strategy, world=run.world, steps=list(run.cfg.trace_range),
+                                      model=asdict(run.config), batch_size=run.cfg.batch_size,
+                                      dtype=run.cfg.dtype, device=run.device.type)), f)
     os.replace(tmp, run.cfg.trace)
     print(f"trace: {run.cfg.trace} ({len(events)} events, steps {run.cfg.trace_steps}; open it in ui.perfetto.dev)",
           flush=True)

@@ -55,7 +55,7 @@ def test_trace_end_reads_only_completed_events(fake_cuda):
     """The step's last stamp is taken before the device is synchronized: taken after, it
     would still be queued when elapsed_time reads it (what a GPU does whenever the launch
     runs ahead of the kernels, that is, almost always)."""
-    run = SimpleNamespace(device=fake_cuda, rank=0, trace=[])
+    run = SimpleNamespace(device=fake_cuda, rank=0, trace=[], cfg=SimpleNamespace(compile=False))
     M.trace_begin(run)
     try:
         run.t0 = M.now(fake_cuda)

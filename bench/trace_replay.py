@@ -1,0 +1,731 @@
+"""
+What this exact program would do on a cluster: replay a --trace of any strategy on a modeled
+one. Every rank keeps the order it issued its work in (the trace's stamps); between two stamps
+it computes what it dispatched there (the FLOPs and ops model.py counted) at the cluster's
+rate; a collective ends when its slowest member has pushed its messages over the links it
+uses, once every member has reached it; a point-to-point message arrives once both ends have
+posted it; an async op runs on its group's worker, in the order issued, beside the compute.
+
+    torchrun --nproc_per_node=2 ddp.py --model=tiny --max_iters=5 --trace=ddp.json
+    python bench/trace_replay.py ddp.json --cluster here --flops 20e9 --alpha_us 300 --beta_gbs 1   # one replay
+    python bench/trace_replay.py ddp16.json --cluster h100 --nodes 2 --png ddp.png  # a 16-rank trace on 2 x 8
+    python bench/trace_replay.py --check --json check.json   # predicted against measured here, and the
+                                                             # p = 4 zero-bubble rows at a core a stage
+    python bench/trace_replay.py --what_if                   # GPT-2 and a 1.7B on 8 and 2 x 8 H100s
+
+Cluster (a rank = a device, or a process sharing `cores` with the others): its compute
+rate F (FLOP/s, peak x efficiency), a host cost per dispatched op and per call, alpha (a
+message's latency) and beta (bytes/s) inside a node and across, the ranks a node. A stretch
+of work costs FLOPs / F + ops x op_s; a collective on a rank costs call_s + the sum over the
+peers it sends to (or hears from, whichever is more) of messages x alpha + bytes / beta of
+that link, and the member that takes longest decides (docs/formulas.md's alpha-beta costs,
+counted from the trace's own messages). With `cores` < ranks the ranks computing at once
+share the cores (processor sharing): a rank that waits lends its core, and an async op in
+flight (its thread copies and reduces) takes a share as a computing rank does.
+
+--check calibrates F, op_s (the compute stretches) and the link (each collective's and
+message's time from its last member's arrival to its end) on the 2-rank runs but the one it
+predicts (leave one out), and predicts the 4-rank runs from all of them, the cores shared.
+--what_if traces at a model's depth and a small width, then scales (scale()): each stretch's
+FLOPs by the model formula's ratio, DDP's and FSDP's messages by the parameter ratio, the
+others' by h x tokens. Calculated figures, never measured ones (docs/planning.md).
+"""
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)
+sys.path.insert(0, HERE)
+import trace_timeline as timeline  # noqa: E402
+
+P2P = ("send", "recv", "sendrecv")
+PARAM_SYNC = ("ddp", "fsdp")  # strategies whose messages carry parameters or gradients (scale())
+
+
+class TraceError(Exception):
+    """A trace the replay cannot read: one line saying what it lacks."""
+
+
+# ----------------------------------------------------------------------------- reading a trace
+
+def load(path):
+    try:
+        with open(path) as f:
+            trace = json.load(f)
+    except (OSError, ValueError) as e:
+        raise TraceError(f"cannot read {path} as a trace: {e}")
+    if not isinstance(trace, dict) or "traceEvents" not in trace:
+        raise TraceError(f"{path} is not a --trace file (no traceEvents)")
+    return trace
+
+
+def counted_step(trace):
+    """The traced step that counted its work (model.py counts the first; the others stamp only
+    the order), or None."""
+    for e in trace["traceEvents"]:
+        if e.get("cat") == "step" and e["args"].get("upto", [None, None])[1] is not None:
+            return e["args"]["step"]
+    return None
+
+
+def timed_steps(trace):
+    """The traced steps whose times the counting did not slow (all of them if only one was traced)."""
+    steps = sorted({e["args"]["step"] for e in trace["traceEvents"] if e.get("cat") == "step"})
+    return [s for s in steps if s != counted_step(trace)] or steps
+
+
+def programs(trace, step=None, world=None):
+    """-> (step, [per rank: its program], measured) for one traced step (default: the median of the
+    uncounted ones), its work as the counted step counted it (the same program every step).
+    A program: ("compute", flops, ops, name) | (kind, op, t0, t1), kind "post", "sync" or "wait",
+    op a dict with its group, kind and messages, t0 and t1 the step's times of the item (us).
+    measured: per rank (step start, step length, its events)."""
+    info = trace.get("otherData", {})
+    if "world" not in info:
+        raise TraceError("the trace does not say its world size (made before the replay's format): retrace it")
+    n = info["world"]
+    if world is not None and world != n:
+        raise TraceError(f"the trace has {n} ranks and the cluster {world}: trace the program at {world} ranks "
+                         f"(or give the cluster {n} with --nodes and --per_node)")
+    events = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
+    counted = counted_step(trace)
+    if counted is None:
+        raise TraceError("the trace has no work counts (at/upto: an older --trace, or a --compile run): "
+                         "retrace it with this code's --trace, without --compile")
+    if step is None:
+        timed = set(timed_steps(trace))
+        step = timeline.median_step([e for e in events if e["args"].get("step") in timed])
+    progs, measured = [], []
+    for r in range(n):
+        evs, work = ([e for e in events if e["pid"] == r and e["args"].get("step") == s] for s in (step, counted))
+        steps, heads = [e for e in evs if e["cat"] == "step"], [e for e in work if e["cat"] == "step"]
+        if not steps or not heads:
+            raise TraceError(f"the trace is cut short: rank {r} has no step {step if not steps else counted}")
+        head, count = steps[0], {e["args"]["at"][0]: e["args"] for e in work if "at" in e["args"]}
+        if order(evs) != order(work):
+            raise TraceError(f"rank {r} did other work in step {step} than in step {counted}, the counted one")
+        points = sorted((e for e in evs if e["cat"] in ("comm", "wait") and "at" in e["args"]),
+                        key=lambda e: e["args"]["at"][0])
+        compute = sorted((e for e in work if e["cat"] == "compute"), key=lambda e: e["args"]["at"][0])
+        prog, cur, ops = [], heads[0]["args"]["at"], {}
+        for e in points + [None]:
+            a = count[e["args"]["at"][0]] if e is not None else heads[0]["args"]
+            at = a["at"] if e is not None else a["upto"]
+            if at[2] > cur[2] or at[1] > cur[1]:
+                prog.append(("compute", at[1] - cur[1], at[2] - cur[2], label(compute, cur[0], at[0])))
+            if e is None:
+                break
+            if e["cat"] == "wait":
+                if a.get("of") not in ops:
+                    raise TraceError(f"the trace is cut short: rank {r}'s {e['name']!r} waits for an op it never issued")
+                prog.append(("wait", ops[a["of"]], e["ts"], e["ts"] + e["dur"]))
+                cur = a.get("upto", a["at"])
+                continue
+            op = dict(rank=r, name=e["name"], op=a["op"], group=tuple(a["group"]),
+                      to={int(k): v for k, v in a.get("to", {}).items()},
+                      frm={int(k): v for k, v in a.get("frm", {}).items()}, seq=a["at"][0], event=e)
+            ops[op["seq"]] = op
+            if e["tid"] == 1:
+                posted = e["args"].get("posted_us", e["ts"])
+                prog.append(("post", op, posted, posted))
+                cur = a["at"]
+            else:
+                prog.append(("sync", op, e["ts"], e["ts"] + e["dur"]))
+                cur = a.get("upto", a["at"])
+        progs.append(prog)
+        measured.append((head["ts"], head["dur"], evs))
+    return step, progs, measured
+
+
+def order(evs):
+    """A step's stamped spans in issue order, by name: the same program every step."""
+    return [e["name"] for e in sorted((e for e in evs if "at" in e["args"] and e["cat"] != "step"),
+                                      key=lambda e: e["args"]["at"][0])]
+
+
+def label(compute, first, last):
+    """The innermost compute span around the stretch between two stamps: its name, for the picture."""
+    inside = [e for e in compute if e["args"]["at"][0] <= first and e["args"].get("upto", [math.inf])[0] >= last]
+    return inside[-1]["name"] if inside else "compute"
+
+
+# ----------------------------------------------------------------------------- the cluster
+
+def cluster(name, **over):
+    """here: this machine (F, op_s, link: --check fits them); h100: 8 H100 a node, plan_cluster.py's
+    data-sheet figures (dense bf16 peak x its eff, NVLink and a 400 Gb/s NIC a GPU, NCCL's latencies)."""
+    if name == "here":
+        base = dict(flops=20e9, op_s=20e-6, call_s=100e-6, alpha=300e-6, beta=1e9, alpha_x=300e-6, beta_x=1e9,
+                    per_node=1 << 30, cores=os.cpu_count(), peak=None)
+    elif name == "h100":
+        import plan_cluster as PC
+        g = PC.CLUSTERS["H100"]
+        base = dict(flops=g["peak"] * PC.EFF, op_s=0.0, call_s=PC.LAT_CALL, alpha=PC.LAT_NVLINK, beta=g["nvlink_bw"],
+                    alpha_x=PC.LAT_IB, beta_x=g["ib_bw"], per_node=g["gpus_per_node"], cores=None, peak=g["peak"])
+    else:
+        raise TraceError(f"unknown cluster {name!r}: here or h100")
+    base.update({k: v for k, v in over.items() if v is not None})
+    return base
+
+
+def link(cl, a, b):
+    inside = a // cl["per_node"] == b // cl["per_node"]
+    return (cl["alpha"], cl["beta"]) if inside else (cl["alpha_x"], cl["beta_x"])
+
+
+def op_cost(cl, op, r, byte_scale=1.0):
+    """One member's time on the wire for its part of a collective. Across nodes the group's ranks
+    on a node share its NICs (one a GPU: NCCL runs a ring a NIC, so the crossing bytes spread
+    over them)."""
+    node = r // cl["per_node"]
+    nics = sum(1 for g in op["group"] if g // cl["per_node"] == node)
+    ways = []
+    for tally in (op["to"], op["frm"]):
+        t = 0.0
+        for peer, (msgs, nbytes) in tally.items():
+            alpha, beta = link(cl, r, peer)
+            if peer // cl["per_node"] != node:
+                beta *= nics
+            t += msgs * alpha + nbytes * byte_scale / beta
+        ways.append(t)
+    return cl["call_s"] + max(ways)
+
+
+# ----------------------------------------------------------------------------- the replay
+
+def instances(progs):
+    """Match the ops across ranks: a collective by its group and its number on that group (every
+    member issues a group's collectives in one order); a point-to-point message by its ends and
+    its number between them. -> {key: set of member ranks}; each op gets op["keys"]."""
+    need, counts = {}, {}
+    for r, prog in enumerate(progs):
+        for kind, *rest in prog:
+            if kind not in ("post", "sync"):
+                continue
+            op = rest[0]
+            keys = []
+            if op["op"] in P2P:
+                for way, tally in (("to", op["to"]), ("frm", op["frm"])):
+                    for peer, (msgs, nbytes) in tally.items():
+                        src, dst = (r, peer) if way == "to" else (peer, r)
+                        for _ in range(msgs):
+                            k = counts[(src, dst, way)] = counts.get((src, dst, way), 0) + 1
+                            keys.append(("msg", src, dst, k))
+                            need.setdefault(keys[-1], set()).add(r)
+            else:
+                k = counts[(op["group"], r)] = counts.get((op["group"], r), 0) + 1
+                keys.append(("coll", op["group"], k))
+                need.setdefault(keys[-1], set()).add(r)
+            op["keys"] = keys
+    for key, ranks in need.items():
+        want = set(key[1]) if key[0] == "coll" else {key[1], key[2]}
+        if ranks != want:
+            missing = sorted(want - ranks)
+            what = f"collective #{key[2]} on ranks {list(key[1])}" if key[0] == "coll" else \
+                f"message #{key[3]} from rank {key[1]} to rank {key[2]}"
+            raise TraceError(f"the trace is cut short or mismatched: the {what} has no partner on rank(s) {missing}")
+    return need
+
+
+def replay(progs, cl, flop_scale=1.0, byte_scale=1.0):
+    """-> per rank dict(end, busy, blocked, spans=[(start, length, cat, name, row)]); times in seconds."""
+    n = len(progs)
+    need = instances(progs)
+    arrive, cost, ends = {k: {} for k in need}, {k: {} for k in need}, {}
+    queues = {}  # (rank, group) -> its ops in issue order
+    for r, prog in enumerate(progs):
+        for kind, *rest in prog:
+            if kind in ("post", "sync"):
+                op = rest[0]
+                op.update(issued=None, ready=None, end=None)
+                op["prev"] = queues.get((r, op["group"]))
+                queues[(r, op["group"])] = op
+    pc, left, now = [0] * n, [None] * n, 0.0
+    out = [dict(end=None, busy=0.0, blocked=0.0, spans=[]) for _ in range(n)]
+    started = [None] * n  # when the current compute stretch or block began
+
+    pending = []  # ops issued and not yet ended
+    dated = []    # async ops whose start and end are known (they share the cores on a CPU)
+
+    def settle():
+        """Date what the issued ops now allow: an op is ready once its group's previous op on the
+        rank has ended (the worker's FIFO); a match ends once every member is ready."""
+        changed = True
+        while changed:
+            changed = False
+            for op in pending:
+                r, prev = op["rank"], op["prev"]
+                if op["ready"] is None and (prev is None or prev["end"] is not None):
+                    op["ready"] = max(op["issued"], prev["end"] if prev is not None else 0.0)
+                    changed = True
+                    for key in op["keys"]:
+                        arrive[key][r] = op["ready"]
+                        if key[0] == "coll":
+                            cost[key][r] = op_cost(cl, op, r, byte_scale)
+                        else:
+                            peer = key[2] if key[1] == r else key[1]
+                            msgs, nbytes = (op["to"] if key[1] == r else op["frm"])[peer]
+                            alpha, beta = link(cl, key[1], key[2])
+                            cost[key][r] = alpha + nbytes / msgs * byte_scale / beta
+                        if len(arrive[key]) == len(need[key]):
+                            ends[key] = max(arrive[key].values()) + max(cost[key].values())
+                if op["ready"] is not None and all(k in ends for k in op["keys"]):
+                    op["end"] = max(ends[k] for k in op["keys"]) if op["keys"] else op["ready"] + cl["call_s"]
+                    if op["row"] == 1:
+                        dated.append(op)
+                    out[r]["spans"].append((op["ready"], op["end"] - op["ready"], "comm", op["name"], op["row"]))
+                    changed = True
+            pending[:] = [op for op in pending if op["end"] is None]
+
+    def advance(r):
+        """Run rank r's program from now until it computes or blocks."""
+        prog = progs[r]
+        while pc[r] < len(prog):
+            kind, *rest = prog[pc[r]]
+            if kind == "compute":
+                if left[r] is None:
+                    flops, ops, _ = rest
+                    left[r], started[r] = flops * flop_scale / cl["flops"] + ops * cl["op_s"], now
+                if left[r] > 1e-15:
+                    return "run"
+                out[r]["spans"].append((started[r], now - started[r], "compute", rest[2], 0))
+                left[r] = started[r] = None
+            else:
+                op = rest[0]
+                if kind in ("post", "sync") and op["issued"] is None:
+                    op.update(issued=now, row=1 if kind == "post" else 0)
+                    pending.append(op)
+                    settle()
+                if kind in ("sync", "wait"):
+                    if op["end"] is None or op["end"] > now + 1e-15:
+                        if started[r] is None:
+                            started[r] = now
+                        return "block"
+                    if started[r] is not None and now > started[r]:
+                        out[r]["blocked"] += now - started[r]
+                        if kind == "wait":
+                            out[r]["spans"].append((started[r], now - started[r], "wait", "wait " + op["name"], 0))
+                    started[r] = None
+            pc[r] += 1
+        out[r]["end"] = now
+        return "done"
+
+    while True:
+        states = [advance(r) if out[r]["end"] is None else "done" for r in range(n)]
+        running = [r for r in range(n) if states[r] == "run"]
+        if all(s == "done" for s in states):
+            break
+        # on shared cores an async op's thread (the copies, the reduction) takes a share as compute does
+        moving = [op for op in dated if op["ready"] <= now < op["end"]] if cl["cores"] else []
+        rate = 1.0 if not cl["cores"] else min(1.0, cl["cores"] / max(1, len(running) + len(moving)))
+        times = [now + left[r] / rate for r in running]
+        times += [t for op in dated for t in (op["ready"], op["end"]) if t > now]
+        for r in range(n):
+            if states[r] == "block":
+                op = progs[r][pc[r]][1]
+                if op["end"] is not None:
+                    times.append(op["end"])
+        if not times:
+            stuck = [f"rank {r} at {progs[r][pc[r]][1]['name']!r}" for r in range(n) if states[r] == "block"]
+            raise TraceError("the replay deadlocks (a trace cut short, or mismatched ops): " + ", ".join(stuck))
+        t = max(min(times), now)
+        for r in running:
+            left[r] -= (t - now) * rate
+            out[r]["busy"] += t - now  # wall time computing, slowed or not by sharing a core
+        now = t
+        dated[:] = [op for op in dated if op["end"] > now]
+    return out
+
+
+def summary(out, flops_model=None, peak=None):
+    step = max(o["end"] for o in out)
+    row = dict(step_s=step, busy_s=[o["busy"] for o in out], idle_s=[step - o["busy"] for o in out],
+               exposed_s=[o["blocked"] for o in out], waiting=statistics.mean(o["blocked"] / step for o in out))
+    if flops_model and peak:
+        row["mfu"] = flops_model / (step * len(out) * peak)
+    return row
+
+
+def as_trace(out, info):
+    """The replayed timeline as a Chrome trace that trace_timeline.draw() draws."""
+    events = [dict(name=name, cat=cat, ph="X", ts=1e6 * t0, dur=1e6 * d, pid=r, tid=row, args=dict(step=0))
+              for r, o in enumerate(out) for t0, d, cat, name, row in o["spans"]]
+    events += [dict(name="step 0", cat="step", ph="X", ts=0, dur=1e6 * o["end"], pid=r, tid=0, args=dict(step=0))
+               for r, o in enumerate(out)]
+    return dict(traceEvents=events, otherData=info)
+
+
+# ----------------------------------------------------------------------------- measured, and calibration
+
+def step_lengths(trace):
+    """Each timed step's length (its slowest rank's), seconds."""
+    length, timed = {}, set(timed_steps(trace))
+    for e in trace["traceEvents"]:
+        if e.get("cat") == "step" and e["args"]["step"] in timed:
+            length[e["args"]["step"]] = max(length.get(e["args"]["step"], 0), e["dur"] / 1e6)
+    return [length[k] for k in sorted(length)]
+
+
+def measured_step(measured):
+    return max(length for _, length, _ in measured) / 1e6
+
+
+def measured_waiting(measured):
+    """Per rank, the share of its step spent blocked in a collective or a wait (main row)."""
+    shares = []
+    for _, length, evs in measured:
+        blocked = sum(e["dur"] for e in evs if e["tid"] == 0 and e["cat"] in ("comm", "wait"))
+        shares.append(blocked / length)
+    return statistics.mean(shares)
+
+
+def stretches(progs, measured):
+    """(flops, ops, seconds) of every compute stretch as measured: from the end of the item before
+    it (a collective, a wait, a post; or the step's start) to the start of the one after."""
+    rows = []
+    for prog, (start, length, _) in zip(progs, measured):
+        for i, item in enumerate(prog):
+            if item[0] == "compute":
+                t0 = prog[i - 1][3] if i > 0 else start
+                t1 = prog[i + 1][2] if i + 1 < len(prog) else start + length
+                if t1 > t0:
+                    rows.append((item[1], item[2], (t1 - t0) / 1e6))
+    return rows
+
+
+def link_samples(progs, measured):
+    """(messages, bytes, seconds) of every matched op: from its last member's start to its end."""
+    starts = {}
+    instances(progs)
+    for prog in progs:
+        for kind, *rest in prog:
+            if kind in ("post", "sync"):
+                op = rest[0]
+                e = op["event"]
+                for key in op["keys"]:
+                    s = starts.setdefault(key, dict(t0=[], t1=[], msgs=0, bytes=0))
+                    s["t0"].append(e["ts"])
+                    s["t1"].append(e["ts"] + e["dur"])
+                    for tally in (op["to"], op["frm"]):
+                        m = sum(v[0] for v in tally.values())
+                        b = sum(v[1] for v in tally.values())
+                        if key[0] == "msg" and m:
+                            m, b = 1, b / m
+                        s["msgs"], s["bytes"] = max(s["msgs"], m), max(s["bytes"], b)
+    return [(s["msgs"], s["bytes"], (min(s["t1"]) - max(s["t0"])) / 1e6) for s in starts.values()
+            if min(s["t1"]) > max(s["t0"])]
+
+
+def nonneg_fit(rows):
+    """Least squares of the last column on the others, no coefficient below zero (drop, refit)."""
+    import numpy as np
+    X = np.array([r[:-1] for r in rows], dtype=float)
+    y = np.array([r[-1] for r in rows], dtype=float)
+    keep = list(range(X.shape[1]))
+    while True:
+        coef = np.zeros(X.shape[1])
+        sol = np.linalg.lstsq(X[:, keep], y, rcond=None)[0]
+        if (sol >= 0).all():
+            coef[keep] = sol
+            return coef
+        keep = [k for k, c in zip(keep, sol) if c > 0]
+
+
+def samples(trace):
+    """-> (compute stretches, link samples) of a trace, each the median of its traced steps (the same
+    program every step, item by item), as the measured step is their median: a rank descheduled by
+    other work in one step moves neither."""
+    comp, wire = [], []
+    for step in timed_steps(trace):
+        _, progs, meas = programs(trace, step)
+        comp.append(stretches(progs, meas))
+        wire.append(link_samples(progs, meas))
+    middle = [[(*rows[0][:-1], statistics.median(x[-1] for x in rows)) for rows in zip(*every)]
+              for every in (comp, wire) if all(len(rows) == len(every[0]) for rows in every)]
+    if len(middle) < 2:  # steps that differ (a run whose program changes): every sample as it is
+        middle = [sum(comp, []), sum(wire, [])]
+    return middle
+
+
+def calibrate(runs):
+    """F, op_s from the compute stretches; call_s, alpha and 1/beta from the ops' times.
+    runs: samples() of each trace."""
+    inv_f, op_s = nonneg_fit([row for comp, _ in runs for row in comp])
+    call_s, alpha, inv_beta = nonneg_fit([(1.0, *row) for _, wire in runs for row in wire])
+    beta = 1 / inv_beta if inv_beta > 0 else 1e12
+    return dict(flops=1 / inv_f if inv_f > 0 else 1e15, op_s=op_s, call_s=call_s, alpha=alpha, beta=beta,
+                alpha_x=alpha, beta_x=beta)
+
+
+# ----------------------------------------------------------------------------- the check on this machine
+
+RUNS = [  # (label, module, flags or {world: flags}): every strategy, and the pipeline's five schedules
+    ("ddp bucketed", "ddp", ["--mode=bucketed", "--bucket_mb=0.5"]),
+    ("ddp overlap", "ddp", ["--mode=overlap", "--bucket_mb=0.5"]),
+    ("fsdp zero3", "fsdp", []),
+    ("tensor", "tensor_parallel", []),
+    ("tensor sp", "tensor_parallel", ["--sequence_parallel=True"]),
+    ("context ring", "context_parallel", []),
+    ("experts", "expert_parallel", ["--n_expert=4", "--top_k=2"]),
+    ("pipeline gpipe", "pipeline_parallel", ["--schedule=gpipe", "--n_micro=8"]),
+    ("pipeline 1f1b", "pipeline_parallel", ["--schedule=1f1b", "--n_micro=8"]),
+    ("pipeline interleaved", "pipeline_parallel", ["--schedule=interleaved", "--n_micro=8"]),
+    ("pipeline zb", "pipeline_parallel", ["--schedule=zb", "--n_micro=8"]),
+    ("pipeline zbv", "pipeline_parallel", ["--schedule=zbv", "--n_micro=8"]),
+    ("mesh tp x dp", "parallel_nd", {2: ["--dp_replicate=1", "--tp=2"], 4: ["--dp_replicate=2", "--tp=2"]}),
+]
+COMMON = ["--model=tiny", "--batch_size=32", "--block_size=64", "--dtype=float32", "--eval_interval=0",
+          "--log_interval=0", "--max_iters=7", "--trace_steps=2-6"]
+
+
+def traced_all(rank, world, runs, data_dir, out, common=None):
+    """On pooled ranks (tests/harness.py): every run's main() with --trace, one after another;
+    -> {label: the error line of a run that refused, or None}."""
+    import importlib
+    import model as M
+    M.PRESETS.update(THIN)  # the what-ifs' shapes: a model's depth at a width every split divides
+    errors = {}
+    for name, module, flags in runs:
+        path = os.path.join(out, f"{name}_{world}.json".replace(" ", "_"))
+        flags = flags.get(world, []) if isinstance(flags, dict) else flags  # flags by world size
+        try:
+            importlib.import_module(module).main((common or COMMON) + [f"--data_dir={data_dir}", *flags,
+                                                                      f"--trace={path}"])
+            errors[name] = None
+        except SystemExit as e:
+            errors[name] = f"refused (exit {e.code})"
+    return errors
+
+
+def run_traces(runs, worlds, folder, common=None, timeout=600):
+    """Trace every run at every world size in pooled ranks, once per world; a trace already in
+    `folder` is reused. -> {(label, world): trace}, printing a line for each run that failed."""
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    from conftest import make_dataset
+    from harness import spawn
+    from trace_replay import traced_all  # the ranks find it by its module's name, not __main__
+    data = make_dataset(os.path.join(folder, "data"))
+    got = {}
+    for world in worlds:
+        path = {name: os.path.join(folder, f"{name}_{world}.json".replace(" ", "_")) for name, _, _ in runs}
+        todo = [r for r in runs if not os.path.exists(path[r[0]])]
+        errors = dict.fromkeys(path)
+        errors.update(spawn(traced_all, world, todo, data, folder, common, timeout=timeout)[0] if todo else {})
+        for name in path:
+            if errors[name]:
+                print(f"{name:>21} {world:>5}  {errors[name]}", flush=True)
+            else:
+                got[(name, world)] = load(path[name])
+    return got
+
+
+def check(args, folder):
+    """Predicted against measured on this machine -> (records, {(label, world): (programs, measured)}, fit)."""
+    runs = [r for r in RUNS if not args.only or any(o in r[0] for o in args.only)]
+    traces = run_traces(runs, args.worlds, folder, timeout=args.timeout)
+    got = {key: programs(trace)[1:] for key, trace in traces.items()}
+    two = {k: samples(traces[k]) for k in got if k[1] == 2}
+    if not two:
+        raise TraceError("no run at 2 ranks to calibrate on")
+    here_all = calibrate(list(two.values()))
+    print(f"calibrated on the {len(two)} runs at 2 ranks (each 2-rank row below on the others only): "
+          f"F {here_all['flops'] / 1e9:.1f} GFLOP/s, {1e6 * here_all['op_s']:.1f} us an op, "
+          f"{1e6 * here_all['call_s']:.0f} us a call, alpha {1e6 * here_all['alpha']:.0f} us, "
+          f"beta {here_all['beta'] / 1e9:.2f} GB/s; {os.cpu_count()} cores shared, load average "
+          f"{os.getloadavg()[0]:.1f} at the end")
+    print(f"{'run':>21} {'ranks':>5} {'predicted ms':>12} {'measured ms':>11} {'(its steps)':>17} {'ratio':>6} "
+          f"{'waiting: predicted':>18} {'measured':>8}")
+    records = []
+    for (name, world), (progs, meas) in got.items():
+        fit = calibrate([v for k, v in two.items() if k != (name, world)]) if world == 2 and len(two) > 1 else here_all
+        row = summary(replay(progs, cluster("here", **fit)))
+        lengths = step_lengths(traces[(name, world)])
+        m = statistics.median(lengths)
+        rec = dict(run=name, strategy=name.split()[0], ranks=world, predicted_ms=1e3 * row["step_s"],
+                   measured_ms=1e3 * m, measured_steps_ms=[round(1e3 * x, 1) for x in lengths],
+                   ratio=row["step_s"] / m, waiting_predicted=row["waiting"], waiting_measured=measured_waiting(meas),
+                   calibrated_on="the other 2-rank runs" if world == 2 else "every 2-rank run",
+                   cores=os.cpu_count())
+        records.append(rec)
+        spread = f"{1e3 * min(lengths):.0f}-{1e3 * max(lengths):.0f}"
+        print(f"{name:>21} {world:>5} {rec['predicted_ms']:>12.1f} {rec['measured_ms']:>11.1f} {spread:>17} "
+              f"{rec['ratio']:>6.2f} {rec['waiting_predicted']:>18.2f} {rec['waiting_measured']:>8.2f}", flush=True)
+    for world in args.worlds:
+        mine = [r for r in records if r["ranks"] == world]
+        if mine:
+            worst = max(mine, key=lambda r: abs(r["ratio"] - 1))
+            idle = max((r for r in mine if r["strategy"] == "pipeline"),
+                       key=lambda r: abs(r["waiting_predicted"] - r["waiting_measured"]), default=None)
+            print(f"worst at {world} ranks: {worst['run']}, {100 * (worst['ratio'] - 1):+.0f}%"
+                  + (f"; the schedules' waiting share at most {abs(idle['waiting_predicted'] - idle['waiting_measured']):.2f}"
+                     f" off ({idle['run']})" if idle else ""))
+    return records, got, here_all
+
+
+# ----------------------------------------------------------------------------- what-ifs
+
+def zero_bubble_rows(got, here):
+    """p = 4, m = 8: the measured traces replayed with a core a stage, beside simulate()'s paper figures."""
+    from pipeline_parallel_bubble import on_paper
+    keys = {name: (f"pipeline {name}", 4) for name in ("1f1b", "zb", "zbv")}
+    if not all(k in got for k in keys.values()):
+        return
+    step = {name: summary(replay(got[k][0], cluster("here", **dict(here, cores=4))))["step_s"]
+            for name, k in keys.items()}
+    paper = on_paper(4, 8, 4, 8, 4, 4)  # a micro-batch's F 1, B 2 (B 1 + W 1) a stage, ZB-V's chunks half
+    print("p = 4, m = 8 on a core a stage (the 4-rank traces above replayed with 4 cores; on paper: simulate() at "
+          "F 1, B 2, or B 1 + W 1):")
+    for name in ("zb", "zbv"):
+        print(f"  {name:>4}: {step[name] / step['1f1b']:.2f} of 1F1B's step replayed "
+              f"({1e3 * step[name]:.1f} against {1e3 * step['1f1b']:.1f} ms), {paper[name]:.2f} on paper")
+
+
+# The what-ifs' traces: the model's depth at a width (64, 16 heads) that 8 and 16 ranks split every way;
+# each stretch's FLOPs and each message's bytes are scaled to the model's width (scale())
+THIN = {"gpt2-thin": dict(n_layer=12, n_head=16, n_embd=64, block_size=64),
+        "1.7b-thin": dict(n_layer=24, n_head=16, n_embd=64, block_size=64)}
+# (label, preset traced, the shape replayed, sequences a GPU, the published figure beside it)
+TARGETS = [("GPT-2 124M", "gpt2-thin", dict(n_layer=12, n_head=12, n_embd=768, block_size=1024, vocab_size=50304),
+            8, None),
+           ("GPT-3-like 1.7B", "1.7b-thin", dict(n_layer=24, n_head=16, n_embd=2048, block_size=4096,
+                                                 vocab_size=131072), 4,
+            "Megatron-Core 1.7B, 48 x H100, dp 48, 4 x 4096 a GPU: 41.0% (bench/published_runs.json)")]
+WHAT_IF_RUNS = [("ddp", "ddp", ["--mode=overlap"]), ("fsdp", "fsdp", []), ("tensor", "tensor_parallel", []),
+                ("pipeline 1f1b", "pipeline_parallel", ["--schedule=1f1b", "--n_micro=16"]), ("context", "context_parallel", [])]
+
+
+def scale(trace, target, seqs_per_rank):
+    """(flop_scale, byte_scale, the model's FLOPs a step) to replay `trace` at the `target` shape
+    (a GPTConfig's fields) with seqs_per_rank sequences a rank: the model formula's FLOPs a step over
+    the trace's; parameter messages (DDP, FSDP) by the parameter ratio, the rest by h x tokens."""
+    import model as M
+    info = trace["otherData"]
+    src, dst = M.GPTConfig(**info["model"]), M.GPTConfig(**target)
+    if src.n_layer != dst.n_layer:
+        raise TraceError(f"the trace has {src.n_layer} layers and the target {dst.n_layer}: trace it at the "
+                         f"target's depth (only the width is scaled)")
+    tokens_src = info["batch_size"] * src.block_size
+    tokens_dst = seqs_per_rank * info["world"] * dst.block_size
+    flops = M.flops_per_token(dst) * tokens_dst
+    flop_scale = flops / (M.flops_per_token(src) * tokens_src)
+    if info["strategy"] in PARAM_SYNC:
+        byte_scale = M.param_count(dst) / M.param_count(src)
+    else:
+        byte_scale = dst.n_embd * tokens_dst / (src.n_embd * tokens_src)
+    return flop_scale, byte_scale, flops
+
+
+def what_if(args, folder):
+    import plan_cluster as PC
+    print("What-ifs on H100s (a calculation from the traces taken here, not a measurement): "
+          f"{PC.CLUSTERS['H100']['peak'] / 1e12:.0f} TFLOP/s x eff {PC.EFF} (plan_cluster.py's, fitted on "
+          f"Narayanan et al.), NVLink {PC.CLUSTERS['H100']['nvlink_bw'] / 1e9:.0f} GB/s a GPU, "
+          f"{PC.CLUSTERS['H100']['ib_bw'] / 1e9:.0f} GB/s a GPU across nodes, NCCL's latencies; no host cost an op, "
+          "bf16 bytes counted as the trace's (float32)")
+    print(f"{'model':>16} {'run':>14} {'GPUs':>6} {'step ms':>9} {'MFU':>6} {'exposed comm ms':>15}  "
+          f"{'assumed':<40} published")
+    for label_, preset, target, seqs, published in TARGETS:
+        common = ["--model=" + preset, "--batch_size=16", "--block_size=64", "--dtype=float32", "--eval_interval=0",
+                  "--log_interval=0", "--max_iters=4", "--trace_steps=2-3"]
+        runs = [r for r in WHAT_IF_RUNS if not args.only or any(o in r[0] for o in args.only)]
+        for world, layout in ((8, "8"), (16, "2 x 8")):
+            traces = run_traces([(f"{preset} {n}", m, f) for n, m, f in runs], [world], folder, common, args.timeout)
+            for name, _, _ in runs:
+                key = (f"{preset} {name}", world)
+                if key not in traces:
+                    continue
+                trace = traces[key]
+                flop_scale, byte_scale, flops = scale(trace, target, seqs)
+                cl = cluster("h100")
+                assumed = (f"calculated: {cl['flops'] / 1e12:.0f} TFLOP/s, NVLink {cl['beta'] / 1e9:.0f} GB/s"
+                           + (f", NICs {cl['beta_x'] / 1e9:.0f} GB/s a GPU" if world > cl["per_node"] else ""))
+                row = summary(replay(programs(trace, world=world)[1], cl, flop_scale, byte_scale), flops, cl["peak"])
+                print(f"{label_:>16} {name:>14} {layout:>6} {1e3 * row['step_s']:>9.1f} {100 * row['mfu']:>5.1f}% "
+                      f"{1e3 * max(row['exposed_s']):>15.2f}  {assumed:<40} {published if name == 'ddp' and published else '-'}",
+                      flush=True)
+    print("(each row: its traced step at the model's depth and width 64, scaled to the shape; "
+          + ", ".join(f"{t[0]}: {t[3]} sequences of {t[2]['block_size']} a GPU" for t in TARGETS) + ")")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p.add_argument("trace", nargs="?", help="a --trace file to replay")
+    p.add_argument("--cluster", default="here", help="here or h100 (8 a node)")
+    for k, what in (("flops", "FLOP/s a rank"), ("op_us", "host us an op"), ("call_us", "host us a call"),
+                    ("alpha_us", "latency inside a node, us"), ("beta_gbs", "GB/s inside a node"),
+                    ("alpha_x_us", "latency across nodes, us"), ("beta_x_gbs", "GB/s across nodes")):
+        p.add_argument(f"--{k}", type=float, help=what)
+    p.add_argument("--per_node", type=int, help="ranks a node")
+    p.add_argument("--nodes", type=int, default=1, help="nodes (h100: the cluster has nodes x per_node ranks)")
+    p.add_argument("--cores", type=int, help="cores the ranks share (0: one each)")
+    p.add_argument("--step", type=int, help="the traced step to replay (default: the median one)")
+    p.add_argument("--png", help="draw the replayed timeline here (as trace_timeline.py)")
+    p.add_argument("--check", action="store_true", help="predicted against measured on this machine")
+    p.add_argument("--what_if", action="store_true", help="the same programs on 8 and 2 x 8 H100s")
+    p.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
+    p.add_argument("--only", nargs="+", help="--check: only the runs whose label holds one of these")
+    p.add_argument("--data_dir", default="")
+    p.add_argument("--timeout", type=int, default=600, help="--check: seconds for each world size's runs")
+    p.add_argument("--json", help="--check: write a record per run here")
+    p.add_argument("--keep", help="--check: keep the traces in this folder, and reuse those already there")
+    args = p.parse_args(argv)
+    try:
+        if args.check or args.what_if:
+            with tempfile.TemporaryDirectory() as tmp:
+                folder = args.keep or tmp
+                if args.check:
+                    records, got, here = check(args, folder)
+                    zero_bubble_rows(got, here)
+                    if args.json:
+                        with open(args.json + ".tmp", "w") as f:
+                            json.dump(records, f, indent=1)
+                        os.replace(args.json + ".tmp", args.json)
+                if args.what_if:
+                    what_if(args, folder)
+            return
+        if not args.trace:
+            p.error("give a trace, or --check")
+        over = dict(flops=args.flops, per_node=args.per_node,
+                    cores=None if args.cores == 0 else args.cores,
+                    **{k: (None if v is None else v * 1e-6) for k, v in
+                       dict(op_s=args.op_us, call_s=args.call_us, alpha=args.alpha_us, alpha_x=args.alpha_x_us).items()},
+                    **{k: (None if v is None else v * 1e9) for k, v in
+                       dict(beta=args.beta_gbs, beta_x=args.beta_x_gbs).items()})
+        cl = cluster(args.cluster, **over)
+        trace = load(args.trace)
+        info = trace.get("otherData", {})
+        world = None if args.cluster == "here" else args.nodes * cl["per_node"]
+        step, progs, meas = programs(trace, args.step, world)
+        out = replay(progs, cl)
+        flops = None
+        if cl["peak"] and "model" in info:  # the model's FLOPs a step, as the log's MFU counts them
+            import model as M
+            flops = M.flops_per_token(M.GPTConfig(**info["model"])) * info["batch_size"] * info["model"]["block_size"]
+        row = summary(out, flops, cl["peak"])
+        print(f"{info.get('strategy', '?')} on {len(progs)} ranks, step {step}: predicted {1e3 * row['step_s']:.2f} ms"
+              + (f", MFU {100 * row['mfu']:.1f}%" if "mfu" in row else "")
+              + f" (measured {1e3 * measured_step(meas):.2f} ms where it was traced)")
+        for r in range(len(progs)):
+            print(f"  rank {r}: busy {1e3 * row['busy_s'][r]:.2f} ms, idle {1e3 * row['idle_s'][r]:.2f} ms, "
+                  f"exposed communication {1e3 * row['exposed_s'][r]:.2f} ms")
+        if args.png:
+            try:
+                import matplotlib  # noqa: F401
+            except ImportError:
+                raise TraceError("--png needs matplotlib (pip install matplotlib)")
+            timeline.draw([as_trace(out, info)], args.png, titles=[f"{info.get('strategy', '')} replayed on "
+                                                                   f"{args.cluster}"])
+    except TraceError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()
