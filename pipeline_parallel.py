@@ -39,6 +39,7 @@ Each schedule is a list of actions per rank (schedule(), plan()), run one by one
 Executor; simulate() runs them all on paper, and --timeline=True prints the plans, the
 paper timeline and the measured one.
 """
+import math
 import time
 from collections import namedtuple
 from contextlib import nullcontext
@@ -46,6 +47,7 @@ from functools import lru_cache, partial
 
 import torch
 import torch.nn as nn
+from torch.utils import flop_counter
 
 import collectives as C
 import model as M
@@ -394,6 +396,11 @@ def input_grad(x: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor, slot: in
 @input_grad.register_fake
 def _(x, dy, weight, slot):  # the shape, for the compiler's tracing
     return dy.new_empty(*dy.shape[:-1], weight.shape[-1])
+
+
+@flop_counter.register_flop_formula(input_grad._opoverload.overloadpacket)
+def _(x_shape, dy_shape, weight_shape, slot, out_shape=None, **kw):  # --trace's FLOP count: the op hides its matmul
+    return 2 * math.prod(dy_shape) * weight_shape[-1]
 
 
 def deferred_linear(executor, x, weight, bias=None, slot=None):
