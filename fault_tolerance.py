@@ -443,6 +443,9 @@ def launch(cfg, argv):
                 if p.exitcode == 2 or restarts[r] >= cfg.max_restarts:  # refused, or gave up: the others go on
                     print(f"replica {r} exited with {p.exitcode}; not restarted", file=sys.stderr, flush=True)
                     done.add(r)
+                    if coordinator and coordinator.e < 0:  # the first epoch waits for all N: it never comes
+                        print("error: the job cannot start without every replica", file=sys.stderr, flush=True)
+                        return 1
                 else:
                     restarts[r] += 1
                     procs[r] = start(r)
