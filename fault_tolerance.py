@@ -192,6 +192,9 @@ def replica(cfg):
         if (run.rank == 0) != run.log.active:
             run.log = M.Logger(cfg, run.rank, start_iter=ep["step"])
         run.recovery_bytes = send_state(ep, me, ep["step"], model, optimizer, outer, device)
+        if run.rank == 0 and cfg.log_interval:
+            print(f"epoch {e}: replicas {ep['members']} from step {ep['step']}" +
+                  (f", {ep['joiners']} back from replica {ep['source']}'s state" if ep["joiners"] else ""), flush=True)
         return ep
 
     @torch.no_grad()
@@ -427,7 +430,7 @@ def launch(cfg, argv):
     def start(r):  # a process of its own, forked from a server that imported torch once (0.1 s, not 3)
         lives[r] = store.add(f"lives/{r}", 1) - 1
         p = ctx.Process(target=replica_process, args=(args + [f"--replica={r}", f"--coordinator={host or '127.0.0.1'}:{port}"],
-                                                      lives[r]))
+                                                      lives[r], mine.index(r)))
         p.start()
         return p
     procs, restarts, done = {r: start(r) for r in mine}, {r: 0 for r in mine}, set()
@@ -459,8 +462,9 @@ def launch(cfg, argv):
     return 0 if all(procs[r].exitcode == 0 for r in mine) else 1
 
 
-def replica_process(argv, life):
-    os.environ.update(FT_LIFE=str(life), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+def replica_process(argv, life, local):
+    """A launcher's replica: its life (for its death's report) and its GPU (the local-th of the node)."""
+    os.environ.update(FT_LIFE=str(life), LOCAL_RANK=str(local), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     M.main_guard(lambda: main(argv))
 
@@ -479,6 +483,9 @@ def main(argv=None):
         M.die("fault_tolerance.py recovers from a live peer, not a checkpoint: --out_dir, --compile, --trace and "
               "--n_expert are ddp.py's (--resume=FOLDER starts every replica from a checkpoint)")
     parse_faults(cfg.faults)
+    if cfg.launch and not all(r.isdigit() and int(r) < cfg.replicas for r in cfg.launch.split(",")):
+        M.die(f"--launch takes this node's replica ids, comma-separated, each below --replicas={cfg.replicas}, "
+              f"not {cfg.launch!r}")
     if cfg.replica >= 0:
         if not cfg.coordinator:
             M.die("--replica needs --coordinator=HOST:PORT, the launcher's store")

@@ -154,6 +154,7 @@ def test_diloco_a_quarter_of_the_bytes_and_a_replica_lost_mid_round(train_args, 
     (["--replicas=5"], "does not divide into 5 replicas"),
     (["--replica=1"], "--replica needs --coordinator"),
     (["--out_dir=x"], "recovers from a live peer, not a checkpoint"),
+    (["--launch=0,3"], "--launch takes this node's replica ids"),
 ])
 def test_bad_flags(train_args, flags, says, capsys):
     with pytest.raises(SystemExit) as e:
