@@ -253,13 +253,16 @@ def replica(cfg):
             M.end_iter(run, loss=loss.item(), grad_norm=norm, state_bytes=state, weights_hash=fingerprint(params),
                        recovery_bytes=run.recovery_bytes)
         except C.CommError:  # the step is committed; its log line may be lost with the peer
+            if it + 1 == cfg.max_iters:
+                break  # the last step: nothing left to re-form for
             nxt, _ = recover(store, ep, me, it + 1)
         run.recovery_bytes = 0
         if nxt != ep["epoch"]:  # a new epoch from the next step on: joiners admitted, or survivors
             if dist.is_initialized():
                 dist.destroy_process_group()
             ep = join(nxt)
-    dist.destroy_process_group()
+    if dist.is_initialized():
+        dist.destroy_process_group()
     if cfg.save_path and run.rank == 0:
         torch.save(model.state_dict(), cfg.save_path + ".tmp")
         os.replace(cfg.save_path + ".tmp", cfg.save_path)
