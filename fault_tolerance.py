@@ -35,9 +35,9 @@ import copy
 import datetime
 import hashlib
 import json
+import multiprocessing
 import os
 import signal
-import multiprocessing
 import sys
 import time
 
@@ -293,7 +293,7 @@ def reduce_mean(flat):
 # the coordinator: the one process that must not die
 
 class Coordinator:
-    """Decides the epochs. Every POLL_S it reads the replicas' deaths (counted by their
+    """Decides the epochs. Every POLL_S it reads the replicas' deaths (reported by their
     launchers), new replicas' announcements, the votes of the current step, and the survivors
     of an aborted epoch; it writes epoch/e (members, first step, joiners and who sends them the
     state), next/e/k (the epoch of step k+1, once every member voted) and abort/e."""
@@ -485,7 +485,8 @@ def main(argv=None):
     if cfg.out_dir or cfg.n_expert or cfg.compile or cfg.trace:
         M.die("fault_tolerance.py recovers from a live peer, not a checkpoint: --out_dir, --compile, --trace and "
               "--n_expert are ddp.py's (--resume=FOLDER starts every replica from a checkpoint)")
-    parse_faults(cfg.faults)
+    if any(b is not None and b % cfg.sync_every for _, _, _, b in parse_faults(cfg.faults)):
+        M.die(f"--faults: with --sync_every={cfg.sync_every} a replica comes back at a round's start (B a multiple of it)")
     if cfg.launch and not all(r.isdigit() and int(r) < cfg.replicas for r in cfg.launch.split(",")):
         M.die(f"--launch takes this node's replica ids, comma-separated, each below --replicas={cfg.replicas}, "
               f"not {cfg.launch!r}")

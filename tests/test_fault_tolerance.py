@@ -155,6 +155,7 @@ def test_diloco_a_quarter_of_the_bytes_and_a_replica_lost_mid_round(train_args, 
     (["--replica=1"], "--replica needs --coordinator"),
     (["--out_dir=x"], "recovers from a live peer, not a checkpoint"),
     (["--launch=0,3"], "--launch takes this node's replica ids"),
+    (["--sync_every=4", "--faults=1@1:start>6"], "comes back at a round's start"),
 ])
 def test_bad_flags(train_args, flags, says, capsys):
     with pytest.raises(SystemExit) as e:
