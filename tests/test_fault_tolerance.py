@@ -161,3 +161,47 @@ def test_bad_flags(train_args, flags, says, capsys):
     with pytest.raises(SystemExit) as e:
         F.main(train_args + flags)
     assert e.value.code == 2 and says in capsys.readouterr().err
+
+
+@pytest.mark.quick
+def test_the_coordinators_rules():
+    """The quorum's rules, on a store in this process: the first epoch waits for all N; a step
+    commits once every member voted; after an abort the next epoch waits for every member to be
+    dead or alive again (a survivor slow to say so is not left out before --timeout_s); a joiner
+    is admitted at a step boundary, with the lowest survivor as its source."""
+    import datetime
+    import torch.distributed as dist
+    store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=5))
+    cfg = M.parse_args(F.DEFAULTS, ["--replicas=3", "--max_iters=10", "--timeout_s=60"])
+    job = dict(replica=0, replicas=3, sync_every=1, step=0, config={}, batch=[24, 32], seed=7)
+    co = F.Coordinator(store, cfg, job)
+
+    def announce(r):
+        life = store.add(f"lives/{r}", 1) - 1
+        store.set(f"join/{r}/{life}", json.dumps(dict(job, replica=r)))
+
+    def epoch(e):
+        co.tick()
+        return json.loads(store.get(f"epoch/{e}")) if store.check([f"epoch/{e}"]) else None
+    for r in (0, 1):
+        announce(r)
+    assert epoch(0) is None  # two of three
+    announce(2)
+    assert epoch(0)["members"] == [0, 1, 2]
+    store.add("vote/0/0", 2)
+    co.tick()
+    assert not store.check(["next/0/0"])  # two votes of three: no verdict
+    store.add("vote/0/0", 1)
+    co.tick()
+    assert store.get("next/0/0") == b"0"  # step 0 committed, the same epoch goes on
+    store.add("vote/0/1", 2)
+    store.set("dead/1/0", "-9")  # replica 1's launcher saw it die before it voted
+    store.set("alive/0/0", "1")
+    assert epoch(1) is None and store.check(["abort/0"]) and not store.check(["next/0/1"])  # replica 2 not heard yet
+    store.set("alive/0/2", "1")
+    assert epoch(1) == dict(epoch=1, members=[0, 2], step=1, joiners=[], source=0, back={})
+    announce(1)  # back, and admitted when step 1 commits
+    store.add("vote/1/1", 2)
+    assert epoch(2)["members"] == [0, 1, 2] and epoch(2)["joiners"] == [1] and epoch(2)["source"] == 0
+    assert store.get("next/1/1") == b"2" and store.get("admit/1/1") == b"2"
