@@ -16,6 +16,8 @@ What is checked (exercises/table.py says which checks each exercise gets):
                  ddp.py: the loss and the gradient norm before clipping at every step within
                  1e-4 (the loss alone cannot see a gradient summed instead of averaged: AdamW
                  and clipping hide its scale), and the bytes sent against the file's formula
+  faults         fault_tolerance.py's launcher, 3 replicas, one killed and back: who trained
+                 each step, the loss and gradient norm of the one-process run told who was away
   a schedule     every rank's action list run on paper (pipeline_parallel.simulate): no
                  deadlock, every micro-batch once, as long and holding as much as 1F1B at most
 Every launch has a deadline: a wait that times out ends the check, with the ranks' diagnosis.
@@ -401,6 +403,43 @@ def _compare_steps(name, records, ref, key, tol, how=""):
     return True, f"{name}: within {LOSS_TOL:.0e}{how} of the one-process run at every step ({len(ref)})"
 
 
+def check_faults(folder, faults, data_dir):
+    """The workspace's fault_tolerance.py, 3 replicas with --faults: who trained each step is who
+    the kills left, and the loss and gradient norm are the project's one-process reference's,
+    told of the same absences; every replica holds the same weights after every step."""
+    import subprocess
+    import fault_tolerance as F  # the project's own: its reference
+    from harness import read_log
+    name = f"fault_tolerance --faults={faults}"
+    args = train_args(data_dir) + ["--eval_interval=0", "--log_interval=0", "--replicas=3", "--max_iters=6"]
+    log = os.path.join(tempfile.mkdtemp(prefix="exercise_faults_"), "log.jsonl")
+    try:
+        p = subprocess.run([sys.executable, os.path.join(folder, "fault_tolerance.py"), *args, f"--faults={faults}",
+                            f"--log_file={log}", f"--timeout_s={TRAIN_TIMEOUT_S}"], capture_output=True, text=True,
+                           timeout=LAUNCH_TIMEOUT_S, env=dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES=""))
+    except subprocess.TimeoutExpired:
+        return [(False, f"{name}: still running after {LAUNCH_TIMEOUT_S} s: a replica waits for a verdict that "
+                        "never comes?")]
+    finally:
+        records = read_log(log) if os.path.exists(log) else []
+        shutil.rmtree(os.path.dirname(log), ignore_errors=True)
+    if p.returncode:
+        return [(False, f"{name}: exit status {p.returncode}: {(p.stderr.strip().splitlines() or [''])[-1]}")]
+    away = F.absences(faults, 6)
+    with contextlib.redirect_stdout(io.StringIO()):
+        ref, _ = F.reference(args, away)
+    who = [[r for r in range(3) if it not in away.get(r, ())] for it in range(6)]
+    lines = [(False, f"{name}: the replicas of each step were {[r['replicas'] for r in records]}, not {who}")
+             if [r["replicas"] for r in records] != who else (True, f"{name}: the replicas of each step: {who}")]
+    lines.append(_compare_steps(f"{name}: loss", records, ref, "loss", lambda q: LOSS_TOL))
+    lines.append(_compare_steps(f"{name}: gradient norm before clipping", records, ref, "grad_norm",
+                                lambda q: LOSS_TOL * max(1.0, abs(q)), "relative"))
+    split = [r["iter"] for r in records if len(set(r["weights_hash"])) > 1]
+    lines.append((False, f"{name}: the replicas' weights differ after step {split[0]}") if split else
+                 (True, f"{name}: every replica holds the same weights after every step"))
+    return lines
+
+
 def check_schedule(folder, name):
     """Every rank's plan on paper, at p = 2..4 ranks and m = 1..2p+1 micro-batches."""
     with workspace(folder):
@@ -507,11 +546,12 @@ def grade(name, folder=None, worlds=None, data_dir=None):
         for check in ex.checks:
             if check[0] == "collective":
                 lines += check_collective(folder, check[1], worlds)
-            elif check[0] == "train":
+            elif check[0] in ("train", "faults"):
                 if data_dir is None:
                     from conftest import make_dataset
                     made = data_dir = make_dataset(tempfile.mkdtemp(prefix="exercise_data_"))
-                lines += check_train(folder, check[1], check[2], worlds, data_dir)
+                lines += (check_train(folder, check[1], check[2], worlds, data_dir) if check[0] == "train" else
+                          check_faults(folder, check[1], data_dir))
             elif check[0] == "schedule":
                 lines += check_schedule(folder, check[1])
             elif check[0] == "merge":

@@ -15,6 +15,8 @@ check: what grade.py runs (grade.py's CHECKS say what each kind does)
                                  several sizes: no deadlock, every micro-batch once (forward
                                  first), 1F1B's length (m + p - 1)(F + B) and its memory
   ("merge",)                     context_parallel.merge() of two halves against one softmax
+  ("faults", spec)               fault_tolerance.py's launcher, 3 replicas, --faults=spec: who trained
+                                 each step, loss and gradient norm against its one-process reference
 worlds: the world sizes of the launches (a ring's wrong neighbour is invisible at 2: take 3 too).
 """
 from collections import namedtuple
@@ -187,6 +189,20 @@ EXERCISES = [
         "cut them into ring.n parts (part i: rank i's positions), all-to-all, and concatenate what arrives along the "
         "heads (dim -3). Bytes: (N-1)/N of each tensor, each way.",
         [("train", "context_parallel", ["--method=ulysses", "--layout=zigzag"])], (2,)),
+    Exercise(
+        "quorum", "fault_tolerance.py", ["commit", "recover", "send_state"],
+        "fault tolerance: a step commits on every survivor or on none; the survivors re-form; a joiner gets a peer's state",
+        40,
+        "commit: store.add the vote vote/{e}/{step}; wait_for next/{e}/{step} or abort/{e}; check next/ again after "
+        "seeing abort/ (the coordinator may have written both); raise Failure if it is not there, else return "
+        "int(store.get(next)). recover: compare_set abort/{e} to the time now if it is unset (the value it returns "
+        "is when the fault was first noticed), dist.destroy_process_group() (a peer blocked on us fails at once), "
+        "store.set alive/{e}/{me} to the step; return (e + 1, that time). send_state: nothing unless this epoch has "
+        "joiners and you are its source or one of them; a joiner at step > 0 first makes AdamW's state (step, "
+        "exp_avg, exp_avg_sq zeros; DiLoCo's momentum_buffer once step >= H); then one flat tensor, [step] + "
+        "state_tensors(...), from the source to each joiner (C.send / C.recv, untracked, ranks are members.index(r)), "
+        "copy_into the joiner's tensors; return its bytes (0 where nothing was sent).",
+        [("faults", "1@2:reduce>4")], (2,)),
 ]
 
 BY_NAME = {e.name: e for e in EXERCISES}

@@ -91,7 +91,7 @@ def refs(data_dir, reference_short):
 PROJECT = [("tree_broadcast", None), ("ring_reduce_scatter", None), ("ring_all_gather", None),
            ("pairwise_all_to_all", None), ("ddp_buckets", (2,)), ("fsdp_unit", (2,)), ("tp_column_row", (2,)),
            ("pp_1f1b", (2,)), ("moe_dispatch_combine", (2,)), ("ring_attention_merge", (2,)),
-           ("ulysses_exchange", (2,))]
+           ("ulysses_exchange", (2,)), ("quorum", None)]
 
 
 def test_project_code_passes(refs):
