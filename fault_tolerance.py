@@ -138,9 +138,6 @@ def replica(cfg):
     me, N, H = cfg.replica, cfg.replicas, cfg.sync_every
     run = M.start(cfg, "fault_tolerance")
     device = run.device
-    host, _, port = cfg.coordinator.rpartition(":")
-    store = dist.TCPStore(host or "127.0.0.1", int(port), is_master=False,
-                          timeout=datetime.timedelta(seconds=3 * cfg.timeout_s))
     model = M.GPT(run.config, seed=cfg.seed).to(device)
     params = list(model.parameters())
     flat = torch.zeros(M.num_params(params), device=device)  # every gradient in one buffer, .grad views of it
@@ -154,7 +151,7 @@ def replica(cfg):
         start = torch.nn.utils.parameters_to_vector(params).detach().clone()
         outer = torch.optim.SGD([start], lr=cfg.outer_lr, momentum=cfg.outer_momentum, nesterov=True)
         outer.sync_every = H
-    life, first = arrive(store, cfg, run)  # announced, and admitted (or refused: one line)
+    store, life, first = arrive(cfg, run)  # the coordinator's store, announced and admitted (or refused: one line)
     if first is None:
         return []  # the job finished before we were back
     faults = Faults(cfg.faults, me, life)
@@ -285,9 +282,12 @@ def announce(cfg, run, me):
                 config=vars(run.config), batch=[cfg.batch_size, cfg.block_size], seed=cfg.seed)
 
 
-def arrive(store, cfg, run):
-    """Announce this life of the replica and wait for the coordinator: -> (life, the epoch it is
-    admitted to, or None: the job has finished); refused, it ends with one line."""
+def arrive(cfg, run):
+    """Announce this life of the replica in the coordinator's store and wait for its verdict:
+    -> (the store, life, the epoch it is admitted to or None: the job has finished); refused, one line."""
+    host, _, port = cfg.coordinator.rpartition(":")
+    store = dist.TCPStore(host or "127.0.0.1", int(port), is_master=False,
+                          timeout=datetime.timedelta(seconds=3 * cfg.timeout_s))
     me, life = cfg.replica, int(os.environ.get("FT_LIFE", -1))  # a launcher gives it, to report this life's death
     life = life if life >= 0 else store.add(f"lives/{me}", 1) - 1
     store.set(f"join/{me}/{life}", json.dumps(announce(cfg, run, me)))
@@ -295,14 +295,13 @@ def arrive(store, cfg, run):
     why = store.get(verdict).decode()
     if verdict.startswith("refuse") and why != "finished":
         M.die(f"replica {me} refused: {why}", scope="me")
-    return life, None if verdict.startswith("refuse") else int(why)
+    return store, life, None if verdict.startswith("refuse") else int(why)
 
 
 class Coordinator:
-    """The one process that must not die decides the epochs. Every POLL_S it reads the replicas'
-    deaths (reported by their launchers), new replicas' announcements, the votes of the current
-    step and the survivors of an aborted epoch; it writes epoch/e (members, first step, joiners
-    and who sends them the state), next/e/k (the epoch of step k+1, once every member voted),
+    """The one process that must not die decides the epochs. Every POLL_S it reads the deaths (from
+    the launchers), announcements, votes and an aborted epoch's survivors; it writes epoch/e (members,
+    first step, joiners and their source), next/e/k (the epoch of step k+1, once every member voted),
     abort/e, and each announcement's admit/ or refuse/."""
 
     def __init__(self, store, cfg, job):
@@ -317,14 +316,15 @@ class Coordinator:
     def refusal(self, joiner):
         """-> why a joiner cannot join the job (one line), or None."""
         job, r, now = self.job, joiner["replica"], self.job["step"] if self.k is None else self.k
-        if joiner["replicas"] != job["replicas"] or not 0 <= r < job["replicas"]:
-            return f"it was started as replica {r} of {joiner['replicas']}, the job has {job['replicas']} replicas (--replicas)"
+        if joiner["replicas"] != job["replicas"]:  # (main() saw to it that r < its --replicas)
+            return f"it was started as replica {r} of {joiner['replicas']}, the job has {job['replicas']} replicas"
         for key in ("sync_every", "batch", "seed"):
             if joiner[key] != job[key]:
                 return f"its {key} is {joiner[key]}, the job's {job[key]}"
         if joiner["config"] != job["config"]:
-            return "a different model: " + ", ".join(f"{k}={joiner['config'][k]} (the job's {v})"
-                                                     for k, v in job["config"].items() if joiner["config"].get(k) != v)
+            diff = ", ".join(f"{k}={joiner['config'][k]} (the job's {v})" for k, v in job["config"].items()
+                             if joiner["config"].get(k) != v)
+            return f"a different model: {diff}"
         if joiner["step"] > now:
             return f"its state is at step {joiner['step']}, ahead of the job's step {now}: a replica of another run?"
         if self.k is None and joiner["step"] != now:
@@ -528,10 +528,8 @@ def traffic_per_rank(config, cfg, world):
 
 
 def lost_work(failures_per_day, replicas, ckpt_interval_s, restart_s, recovery_s, rejoin_s, round_s):
-    """The share of a day's work (0..1) that failures cost, each failure taking one replica:
-    checkpoint-restart (half an interval and the restart, on every replica), per step (the
-    survivors' recovery, the dead replica's 1/N until it rejoins), DiLoCo (the survivors'
-    recovery, the dead replica's round and restart). -> {way: share}; docs/fault_tolerance.md."""
+    """The share of a day's work (0..1) that failures cost, each taking one replica, three ways
+    (docs/fault_tolerance.md, "What a failure costs"). -> {way: share}."""
     day = 86400.0
     return {"checkpoint-restart": failures_per_day * (ckpt_interval_s / 2 + restart_s) / day,
             "per step": failures_per_day * (recovery_s + rejoin_s / replicas) / day,
@@ -539,11 +537,10 @@ def lost_work(failures_per_day, replicas, ckpt_interval_s, restart_s, recovery_s
 
 
 def reference(argv, away=None):
-    """The one-process run the replicas are held to, told which replica was away at which steps
-    ({replica: steps}, absences(--faults)). --sync_every=1: each step one forward over the rows
-    of the replicas present. DiLoCo: the replicas one after another, each its own model and
-    AdamW, the outer step over those present; a replica back gets the round's start and the
-    lowest survivor's AdamW state, as send_state gives it. -> (records, the final state_dict)."""
+    """The one-process run the replicas are held to, told who was away when ({replica: steps}, as
+    absences gives). DDP: one forward over the present replicas' rows. DiLoCo: the replicas one after
+    another, each its own model and AdamW; one back gets the round's start and the lowest survivor's
+    AdamW state, as send_state gives it. -> (records, the final state_dict)."""
     cfg = M.parse_args(DEFAULTS, argv, __doc__)
     run = M.start(cfg, "fault_tolerance")
     N, H, away = cfg.replicas, cfg.sync_every, away or {}
