@@ -355,7 +355,7 @@ class Coordinator:
         self.e, self.members, self.k, self.aborted = e, lives, step, None
 
     def tick(self):
-        """One look at the store. -> False once the last step has committed."""
+        """One look at the store, and what it calls for written back."""
         st, cfg = self.store, self.cfg
         for r in range(cfg.replicas):  # new replicas: refused, or wait to be admitted
             for life in range(st.add(f"lives/{r}", 0)):  # a life that died starting never announces
@@ -368,11 +368,11 @@ class Coordinator:
                         self.pending[r] = life
         self.pending = {r: life for r, life in self.pending.items() if not self.dead(r, life)}
         if self.k is not None and self.k >= cfg.max_iters:
-            return False
+            return
         if self.e < 0:  # the first epoch: all of them, each from the same start (no source)
             if len(self.pending) == cfg.replicas:
                 self.form({}, self.job["step"], list(self.pending))
-            return True
+            return
         for r, life in self.members.items():
             if self.dead(r, life):  # a member's process is gone: nobody waits for it
                 self.died_at.setdefault(r, time.time())
@@ -383,25 +383,24 @@ class Coordinator:
         if self.aborted is None:  # the step commits once every member has voted for it
             joiners = self.admit_now(self.k + 1)
             if st.add(f"vote/{self.e}/{self.k}", 0) < len(self.members) or joiners is None:
-                return True
+                return
             e, k = self.e, self.k
             if joiners:
                 self.form(self.members, k + 1, joiners)
             else:
                 self.k += 1
             st.set(f"next/{e}/{k}", str(self.e))
-            return k + 1 < cfg.max_iters
+            return
         # aborted: wait until every member is dead or alive again (the silent: --timeout_s), then re-form
         alive = {r: life for r, life in self.members.items()
                  if not self.dead(r, life) and st.check([f"alive/{self.e}/{r}"])}
         silent = [r for r, life in self.members.items() if not self.dead(r, life) and r not in alive]
         if silent and time.monotonic() - self.aborted < cfg.timeout_s:
-            return True
+            return
         if not alive:
             raise SystemExit("error: every replica of the job died: nothing is left to recover from")
         step = max(int(st.get(f"alive/{self.e}/{r}")) for r in alive)
         self.form(alive, step, self.admit_now(step) or [])
-        return True
 
 
 def launch(cfg, argv):
