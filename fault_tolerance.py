@@ -243,7 +243,8 @@ def replica(cfg):
     if dist.is_initialized():
         dist.destroy_process_group()
     if cfg.save_path and run.rank == 0:  # this replica's weights are all of them: no gathering (M.finish's)
-        torch.save(model.state_dict(), cfg.save_path)
+        torch.save(model.state_dict(), cfg.save_path + ".tmp")
+        os.replace(cfg.save_path + ".tmp", cfg.save_path)  # written, then renamed: never half a file
     cfg.save_path = ""
     return M.finish(run)
 
@@ -289,6 +290,9 @@ def arrive(cfg, run):
     store = dist.TCPStore(host or "127.0.0.1", int(port), is_master=False,
                           timeout=datetime.timedelta(seconds=3 * cfg.timeout_s))
     me, life = cfg.replica, int(os.environ.get("FT_LIFE", -1))  # a launcher gives it, to report this life's death
+    n = int(store.get("replicas"))  # the coordinator reads ids below the job's count only: refused here, not unread
+    if me >= n:
+        M.die(f"replica {me} refused: the job has {n} replicas (--replicas), ids 0 to {n - 1}", scope="me")
     life = life if life >= 0 else store.add(f"lives/{me}", 1) - 1
     store.set(f"join/{me}/{life}", json.dumps(announce(cfg, run, me)))
     verdict = wait_for(store, [f"admit/{me}/{life}", f"refuse/{me}/{life}"])
@@ -309,6 +313,7 @@ class Coordinator:
         self.e, self.members, self.k, self.aborted = -1, {}, None, None  # members: replica -> its life
         self.seen, self.pending, self.died_at = set(), {}, {}  # (replica, life) read; joiners; deaths' times
         self.holds = [(b, r) for r, _, _, b in parse_faults(cfg.faults) if b is not None]
+        store.set("replicas", str(cfg.replicas))  # what a replica checks its id against before it announces
 
     def dead(self, r, life):
         return self.store.check([f"dead/{r}/{life}"])
