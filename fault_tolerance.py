@@ -21,10 +21,9 @@ What keeps it going, each step (the quorum; torchft's Manager and Lighthouse, in
      makes epoch e+1 of those alive, and they redo the step from their own kept gradients
   4. a replica that (re)starts announces itself; at a step boundary the coordinator admits it
      into a new epoch, and the lowest live replica sends it the weights, AdamW's state and the
-     step counter (one message); no checkpoint is read. A joiner whose flags differ (the
-     replica count, the model, a step counter ahead of the job's) is refused with one line.
+     step counter (one message); no checkpoint is read. A joiner whose flags differ is refused.
 The coordinator must outlive the replicas: it is the launcher (the first command), or any
-process at an address every replica reaches (--coordinator=HOST:PORT; docs/fault_tolerance.md).
+process every replica reaches (--coordinator=HOST:PORT; docs/fault_tolerance.md).
 
 --sync_every=H > 1 is DiLoCo (Douillard et al. 2023): H local AdamW steps on a replica's own
 rows, then an all-reduce of the pseudo-gradient (the round's start weights minus the local
@@ -56,29 +55,13 @@ class Failure(Exception):
     """The epoch cannot finish this step: a peer died, or another replica said so."""
 
 
-def wait_for(store, keys, timeout_s=None):
-    """-> the first of `keys` the store holds, polling (TCPStore.wait takes all of them)."""
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+def wait_for(store, keys):
+    """-> the first of `keys` the store holds, polling (TCPStore.wait waits for all of them)."""
     while True:
         for key in keys:
             if store.check([key]):
                 return key
-        if deadline is not None and time.monotonic() > deadline:
-            return None
         time.sleep(POLL_S)
-
-
-def enter(store, e, me, cfg):
-    """Join epoch e's process group: the default group, made again on the epoch's own store
-    prefix, so that collectives.py's ranks are the epoch's. -> the epoch's description."""
-    store.wait([f"epoch/{e}"], datetime.timedelta(seconds=3 * cfg.timeout_s))
-    ep = json.loads(store.get(f"epoch/{e}"))
-    if me not in ep["members"]:
-        M.die(f"replica {me} was dropped from the job (it did not answer within --timeout_s={cfg.timeout_s}); "
-              "start it again to rejoin", code=1, scope="me")
-    dist.init_process_group("gloo", store=dist.PrefixStore(f"epoch{e}/", store), rank=ep["members"].index(me),
-                            world_size=len(ep["members"]), timeout=datetime.timedelta(seconds=cfg.timeout_s))
-    return ep
 
 
 def commit(store, ep, step):
@@ -94,10 +77,9 @@ def commit(store, ep, step):
 
 
 def recover(store, ep, me, step):
-    """The failure path: tell the others (they may be waiting on a vote), drop the group (a
-    peer blocked on one of our messages fails now, not at its timeout), say we are alive and
-    which step we need. -> (the epoch the coordinator makes of the survivors, when the fault
-    was first noticed)."""
+    """The failure path: tell the others (they may be waiting on a vote), drop the group (a peer
+    blocked on one of our messages fails now, not at its timeout), say we are alive and which
+    step we need. -> (the epoch the coordinator makes of the survivors, the fault's first notice)."""
     e = ep["epoch"]
     noticed = float(store.compare_set(f"abort/{e}", "", str(time.time())))  # the first to notice sets it
     dist.destroy_process_group()
@@ -107,10 +89,9 @@ def recover(store, ep, me, step):
 
 def state_tensors(model, optimizer, outer):
     """Everything a joiner needs, in one order on every replica: the weights, AdamW's moments,
-    and DiLoCo's round start and outer momentum. Steps taken come with the step counter."""
+    and DiLoCo's round start and outer momentum."""
     params = list(model.parameters())
-    ts = [p.data for p in params]
-    ts += [optimizer.state[p][m] for p in params for m in M.MOMENTS if m in optimizer.state[p]]
+    ts = [p.data for p in params] + [optimizer.state[p][m] for p in params for m in M.MOMENTS if m in optimizer.state[p]]
     if outer is not None:
         ts += [outer.param_groups[0]["params"][0].data]
         ts += [s["momentum_buffer"] for s in outer.state.values() if s.get("momentum_buffer") is not None]
@@ -118,14 +99,14 @@ def state_tensors(model, optimizer, outer):
 
 
 def send_state(ep, me, step, model, optimizer, outer, device):
-    """The lowest live replica sends the joiners its state, one message each; a joiner makes
-    empty moments (AdamW's, the outer step's) where the source has them, then receives."""
+    """The lowest live replica sends the joiners its state and the step counter, one message
+    each; a joiner makes empty moments (AdamW's, the outer step's) where the source has them,
+    then receives. -> the message's bytes (0 where nothing was sent)."""
     members, joiners = ep["members"], ep["joiners"]
     if not joiners or (me != ep["source"] and me not in joiners):
         return 0
-    params = list(model.parameters())
-    if me in joiners and step > 0:  # AdamW keeps its moments after the first step, and the step count
-        for p in params:
+    if me in joiners and step > 0:  # AdamW keeps its moments and its step count after the first step
+        for p in model.parameters():
             on = p.device if device.type == "cuda" else "cpu"  # where AdamW keeps its count (fused on a GPU)
             optimizer.state[p] = dict(step=torch.tensor(float(step), device=on),
                                       **{m: torch.zeros_like(p) for m in M.MOMENTS})
@@ -145,50 +126,49 @@ def send_state(ep, me, step, model, optimizer, outer, device):
     return flat.numel() * flat.element_size()
 
 
-def announce(cfg, run, me):
-    """What a replica must share with the job to join it."""
-    return dict(replica=me, replicas=cfg.replicas, sync_every=cfg.sync_every, step=run.start_iter,
-                config=vars(run.config), batch=[cfg.batch_size, cfg.block_size], seed=cfg.seed)
+def copy_into(tensors, flat):
+    """Each tensor gets its piece of flat, in order (vector_to_parameters would make them views)."""
+    with torch.no_grad():
+        for t, piece in zip(tensors, flat.split([t.numel() for t in tensors])):
+            t.copy_(piece.view_as(t))
 
 
 def replica(cfg):
     """One replica: ddp.py's naive step (or DiLoCo's round), each step committed by the quorum."""
     me, N, H = cfg.replica, cfg.replicas, cfg.sync_every
     run = M.start(cfg, "fault_tolerance")
-    device, config = run.device, run.config
-    host, _, port = cfg.coordinator.rpartition(":")
-    store = dist.TCPStore(host or "127.0.0.1", int(port), is_master=False,
-                          timeout=datetime.timedelta(seconds=3 * cfg.timeout_s))
-    model = M.GPT(config, seed=cfg.seed).to(device)
+    device = run.device
+    model = M.GPT(run.config, seed=cfg.seed).to(device)
     params = list(model.parameters())
-    flat = torch.zeros(sum(p.numel() for p in params), device=device)  # every gradient, one buffer
-    offset = 0
-    for p in params:
-        p.grad = flat[offset:offset + p.numel()].view_as(p)  # backward accumulates into the views
-        offset += p.numel()
+    flat = torch.zeros(M.num_params(params), device=device)  # every gradient in one buffer, .grad views of it
+    for p, g in zip(params, flat.split([p.numel() for p in params])):
+        p.grad = g.view_as(p)
     optimizer = M.make_optimizer(model.named_parameters(), cfg, device)
-    outer = None
     run.rank = -1  # not the log's writer until an epoch says so: a restarted replica must not truncate it
     M.restore(run, [(n, p, None, False) for n, p in model.named_parameters()], optimizer)
+    outer = None
     if H > 1:  # DiLoCo's outer optimizer holds the round's start weights, one flat tensor
         start = torch.nn.utils.parameters_to_vector(params).detach().clone()
         outer = torch.optim.SGD([start], lr=cfg.outer_lr, momentum=cfg.outer_momentum, nesterov=True)
         outer.sync_every = H
-    life = int(os.environ.get("FT_LIFE", -1))  # given by a launcher, which reports this life's death
-    life = life if life >= 0 else store.add(f"lives/{me}", 1) - 1
-    store.set(f"join/{me}/{life}", json.dumps(announce(cfg, run, me)))
-    verdict = wait_for(store, [f"admit/{me}/{life}", f"refuse/{me}/{life}"])
-    if verdict.startswith("refuse"):
-        why = store.get(verdict).decode()
-        if why == "finished":
-            return []
-        M.die(f"replica {me} refused: {why}", scope="me")
+    store, life, first = arrive(cfg, run)  # the coordinator's store, announced and admitted (or refused: one line)
+    if first is None:
+        return []  # the job finished before we were back
     faults = Faults(cfg.faults, me, life)
 
     def join(e):
-        """Enter epoch e: its group, who logs, and the joiners' state from the source."""
-        ep = enter(store, e, me, cfg)
+        """Enter epoch e: its process group (the default group, made again on the epoch's own
+        store prefix, so that collectives.py's ranks are the epoch's), who logs, a joiner's state."""
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        store.wait([f"epoch/{e}"], datetime.timedelta(seconds=3 * cfg.timeout_s))
+        ep = json.loads(store.get(f"epoch/{e}"))
+        if me not in ep["members"]:
+            M.die(f"replica {me} was dropped from the job (it did not answer within --timeout_s={cfg.timeout_s}); "
+                  "start it again to rejoin", code=1, scope="me")
         run.rank, run.world = ep["members"].index(me), len(ep["members"])
+        dist.init_process_group("gloo", store=dist.PrefixStore(f"epoch{e}/", store), rank=run.rank,
+                                world_size=run.world, timeout=datetime.timedelta(seconds=cfg.timeout_s))
         if (run.rank == 0) != run.log.active:
             run.log = M.Logger(cfg, run.rank, start_iter=ep["step"])
         run.recovery_bytes = send_state(ep, me, ep["step"], model, optimizer, outer, device)
@@ -205,7 +185,7 @@ def replica(cfg):
         model.train()
         return torch.stack(losses).mean().item()
 
-    ep = join(int(store.get(verdict)))
+    ep = join(first)
     for it in range(ep["step"], cfg.max_iters):
         faults.at(it, "start")
         M.begin_iter(run, it, evaluate)
@@ -215,7 +195,7 @@ def replica(cfg):
         with run.autocast:
             _, loss = model(x, y)
         loss.backward()
-        sync = (it + 1) % H == 0
+        sync = (it + 1) % H == 0  # every step for DDP (H = 1), a round's last for DiLoCo
         if H > 1:  # DiLoCo: an inner step on this replica's rows alone, every step
             norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip) if cfg.grad_clip else 0.0
             optimizer.step()
@@ -225,10 +205,11 @@ def replica(cfg):
         noticed = None
         while True:
             try:
-                if H == 1 or sync:
-                    flat.copy_(mine)
+                if sync:  # the survivors' mean, on gloo via the host: a gloo group can be made again after
+                    host = mine.to("cpu", copy=True)  # a death (an NCCL communicator must be aborted, docs)
                     faults.at(it, "reduce")
-                    reduce_mean(flat)
+                    C.all_reduce(host, op="avg")
+                    flat.copy_(host)
                 nxt = commit(store, ep, it)
                 break
             except (C.CommError, Failure):
@@ -258,218 +239,14 @@ def replica(cfg):
             nxt, _ = recover(store, ep, me, it + 1)
         run.recovery_bytes = 0
         if nxt != ep["epoch"]:  # a new epoch from the next step on: joiners admitted, or survivors
-            if dist.is_initialized():
-                dist.destroy_process_group()
             ep = join(nxt)
     if dist.is_initialized():
         dist.destroy_process_group()
-    if cfg.save_path and run.rank == 0:
+    if cfg.save_path and run.rank == 0:  # this replica's weights are all of them: no gathering (M.finish's)
         torch.save(model.state_dict(), cfg.save_path + ".tmp")
-        os.replace(cfg.save_path + ".tmp", cfg.save_path)
+        os.replace(cfg.save_path + ".tmp", cfg.save_path)  # written, then renamed: never half a file
     cfg.save_path = ""
     return M.finish(run)
-
-
-def copy_into(tensors, flat):
-    """Each tensor gets its piece of flat, in order (torch's vector_to_parameters would make
-    them views of flat instead)."""
-    offset = 0
-    with torch.no_grad():
-        for t in tensors:
-            t.copy_(flat[offset:offset + t.numel()].view_as(t))
-            offset += t.numel()
-
-
-def reduce_mean(flat):
-    """The survivors' mean, on the epoch's gloo group (on a GPU through the host: a gloo group
-    can be made again after a peer died; an NCCL communicator must be aborted, docs)."""
-    host = flat.cpu() if flat.is_cuda else flat
-    C.all_reduce(host, op="avg")
-    if host is not flat:
-        flat.copy_(host)
-
-
-# -----------------------------------------------------------------------------
-# the coordinator: the one process that must not die
-
-class Coordinator:
-    """Decides the epochs. Every POLL_S it reads the replicas' deaths (reported by their
-    launchers), new replicas' announcements, the votes of the current step, and the survivors
-    of an aborted epoch; it writes epoch/e (members, first step, joiners and who sends them the
-    state), next/e/k (the epoch of step k+1, once every member voted) and abort/e."""
-
-    def __init__(self, store, cfg, job):
-        self.store, self.cfg, self.job = store, cfg, job
-        self.e, self.members, self.k, self.aborted = -1, {}, None, None  # members: replica -> its life
-        self.seen = set()  # (replica, life) of the announcements read
-        self.pending, self.died_at = {}, {}  # joiners: replica -> life; replica -> when it died
-        self.holds = [(b, r) for r, _, _, b in parse_faults(cfg.faults) if b is not None]
-
-    def dead(self, r, life):
-        return self.store.check([f"dead/{r}/{life}"])
-
-    def admit_now(self, step):
-        """The joiners to admit at the start of `step`; None: wait (a --faults hold not yet ready).
-        DiLoCo admits at a round's start, where every replica holds the same weights."""
-        if step >= self.cfg.max_iters:
-            return []
-        if self.cfg.faults:
-            want = [r for b, r in self.holds if b == step]
-            return None if any(r not in self.pending for r in want) else want
-        return list(self.pending) if step % self.cfg.sync_every == 0 else []
-
-    def form(self, members, step, joiners):
-        """Epoch e+1: the members (replica -> life) and the joiners admitted with it."""
-        e, source = self.e + 1, min(members) if members else None
-        lives = {**members, **{r: self.pending.pop(r) for r in joiners}}
-        self.store.set(f"epoch/{e}", json.dumps(dict(
-            epoch=e, members=sorted(lives), step=step, joiners=sorted(joiners) if members else [], source=source,
-            back={r: self.died_at.pop(r) for r in joiners if r in self.died_at})))
-        for r in joiners:
-            self.store.set(f"admit/{r}/{lives[r]}", str(e))
-        self.e, self.members, self.k, self.aborted = e, lives, step, None
-
-    def tick(self):
-        """One look at the store. -> False once the last step has committed."""
-        st, cfg = self.store, self.cfg
-        for r in range(cfg.replicas):  # new replicas: refused, or wait to be admitted
-            for life in range(st.add(f"lives/{r}", 0)):
-                if (r, life) in self.seen or not st.check([f"join/{r}/{life}"]):
-                    continue  # read already, or not announced yet (or never: it died starting)
-                self.seen.add((r, life))
-                why = mismatch(self.job, json.loads(st.get(f"join/{r}/{life}")), self.k)
-                if why is None and (r in self.pending or r in self.members and not self.dead(r, self.members[r])):
-                    why = f"replica {r} is already in the job"
-                if why is None and self.k is not None and self.k >= cfg.max_iters:
-                    why = "finished"
-                if why:
-                    st.set(f"refuse/{r}/{life}", why)
-                else:
-                    self.pending[r] = life
-        self.pending = {r: life for r, life in self.pending.items() if not self.dead(r, life)}
-        if self.k is not None and self.k >= cfg.max_iters:
-            return False
-        if self.e < 0:  # the first epoch: all of them, each from the same start (no source)
-            if len(self.pending) == cfg.replicas:
-                self.form({}, self.job["step"], list(self.pending))
-            return True
-        for r, life in self.members.items():
-            if self.dead(r, life):  # a member's process is gone: nobody waits for it
-                self.died_at.setdefault(r, time.time())
-                if self.aborted is None:
-                    st.compare_set(f"abort/{self.e}", "", str(time.time()))
-        if self.aborted is None and st.check([f"abort/{self.e}"]):
-            self.aborted = time.monotonic()
-        if self.aborted is None:  # the step commits once every member has voted for it
-            if st.add(f"vote/{self.e}/{self.k}", 0) < len(self.members):
-                return True
-            joiners = self.admit_now(self.k + 1)
-            if joiners is None:
-                return True
-            e, k = self.e, self.k
-            if joiners:
-                self.form(self.members, k + 1, joiners)
-            else:
-                self.k += 1
-            st.set(f"next/{e}/{k}", str(self.e))
-            return k + 1 < cfg.max_iters
-        # aborted: wait until every member is dead or alive again (the silent: --timeout_s), then re-form
-        alive = {r: life for r, life in self.members.items()
-                 if not self.dead(r, life) and st.check([f"alive/{self.e}/{r}"])}
-        silent = [r for r, life in self.members.items() if not self.dead(r, life) and r not in alive]
-        if silent and time.monotonic() - self.aborted < cfg.timeout_s:
-            return True
-        if not alive:
-            raise SystemExit("error: every replica of the job died: nothing is left to recover from")
-        step = max(int(st.get(f"alive/{self.e}/{r}")) for r in alive)
-        self.form(alive, step, self.admit_now(step) or [])
-        return True
-
-
-def mismatch(job, joiner, step):
-    """-> why a joiner cannot join the job (one line), or None."""
-    if joiner["replicas"] != job["replicas"] or not 0 <= joiner["replica"] < job["replicas"]:
-        return (f"it was started as replica {joiner['replica']} of {joiner['replicas']}, the job has "
-                f"{job['replicas']} replicas (--replicas)")
-    for key in ("sync_every", "batch", "seed"):
-        if joiner[key] != job[key]:
-            return f"its {key} is {joiner[key]}, the job's {job[key]}"
-    if joiner["config"] != job["config"]:
-        diff = ", ".join(f"{k}={joiner['config'][k]} (the job's {job['config'][k]})"
-                         for k in job["config"] if joiner["config"].get(k) != job["config"][k])
-        return f"a different model: {diff}"
-    now = job["step"] if step is None else step
-    if joiner["step"] > now:
-        return f"its state is at step {joiner['step']}, ahead of the job's step {now}: a replica of another run?"
-    if step is None and joiner["step"] != now:
-        return f"its state is at step {joiner['step']}, the job starts at step {now}"
-    return None
-
-
-def launch(cfg, argv):
-    """The launcher: hosts the coordinator (unless --coordinator names another host's), starts its
-    replicas (--launch, default all) as processes of their own, counts each one's death in the
-    store and starts it again (--max_restarts). torchrun's agent cannot do this: it restarts
-    every worker when one fails."""
-    host, _, port = cfg.coordinator.rpartition(":")
-    hosting = host in ("", "127.0.0.1", "localhost")
-    port = int(port) if port else free_port()
-    store = dist.TCPStore(host or "127.0.0.1", port, is_master=hosting, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=60))
-    mine = [int(r) for r in cfg.launch.split(",")] if cfg.launch else list(range(cfg.replicas))
-    run = M.start(cfg, "fault_tolerance")  # the flags and the data, checked once here
-    job = dict(announce(cfg, run, 0), step=M.read_manifest(cfg.resume)["step"] if cfg.resume else 0)
-    coordinator = Coordinator(store, cfg, job) if hosting else None
-    if coordinator:
-        print(f"fault_tolerance: coordinator at {host or '127.0.0.1'}:{port}, {cfg.replicas} replicas, "
-              f"{'DiLoCo, H = ' + str(cfg.sync_every) if cfg.sync_every > 1 else 'the gradient averaged every step'}",
-              flush=True)
-    args = [a for a in argv if not a.startswith(("--replica=", "--coordinator=", "--launch="))]
-
-    lives, ctx = {}, multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "numpy", "model", "collectives", "fault_tolerance"])
-    from fault_tolerance import replica_process  # by its module's name, not __main__'s, for the server
-
-    def start(r):  # a process of its own, forked from a server that imported torch once (0.1 s, not 3)
-        lives[r] = store.add(f"lives/{r}", 1) - 1
-        p = ctx.Process(target=replica_process, args=(args + [f"--replica={r}", f"--coordinator={host or '127.0.0.1'}:{port}"],
-                                                      lives[r], mine.index(r)))
-        p.start()
-        return p
-    procs, restarts, done = {r: start(r) for r in mine}, {r: 0 for r in mine}, set()
-    try:
-        while len(done) < len(mine):
-            for r, p in procs.items():
-                if r in done or p.exitcode is None:
-                    continue
-                if p.exitcode == 0:
-                    done.add(r)
-                    continue
-                store.set(f"dead/{r}/{lives[r]}", str(p.exitcode))
-                if p.exitcode == 2 or restarts[r] >= cfg.max_restarts:  # refused, or gave up: the others go on
-                    print(f"replica {r} exited with {p.exitcode}; not restarted", file=sys.stderr, flush=True)
-                    done.add(r)
-                    if coordinator and coordinator.e < 0:  # the first epoch waits for all N: it never comes
-                        print("error: the job cannot start without every replica", file=sys.stderr, flush=True)
-                        return 1
-                else:
-                    restarts[r] += 1
-                    procs[r] = start(r)
-            if coordinator:
-                coordinator.tick()
-            time.sleep(POLL_S)
-    finally:
-        for p in procs.values():
-            if p.exitcode is None:
-                p.kill()
-    return 0 if all(procs[r].exitcode == 0 for r in mine) else 1
-
-
-def replica_process(argv, life, local):
-    """A launcher's replica: its life (for its death's report) and its GPU (the local-th of the node)."""
-    os.environ.update(FT_LIFE=str(life), LOCAL_RANK=str(local), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-    M.main_guard(lambda: main(argv))
 
 
 def main(argv=None):
@@ -490,27 +267,208 @@ def main(argv=None):
     if cfg.launch and not all(r.isdigit() and int(r) < cfg.replicas for r in cfg.launch.split(",")):
         M.die(f"--launch takes this node's replica ids, comma-separated, each below --replicas={cfg.replicas}, "
               f"not {cfg.launch!r}")
-    if cfg.replica >= 0:
-        if not cfg.coordinator:
-            M.die("--replica needs --coordinator=HOST:PORT, the launcher's store")
-        return replica(cfg)
-    sys.exit(launch(cfg, argv))
-
-
-def traffic_per_rank(config, cfg, world):
-    """Bytes a replica sends a step, on average: DDP's all-reduce of the gradient, 2(N-1)/N of
-    its bytes, once every --sync_every steps (DiLoCo's pseudo-gradient has the weights' size)."""
-    return 2 * (world - 1) / world * 4 * M.param_count(config) / cfg.sync_every
+    if cfg.replica < 0:
+        sys.exit(launch(cfg, argv))
+    if not cfg.coordinator:
+        M.die("--replica needs --coordinator=HOST:PORT, the launcher's store")
+    return replica(cfg)
 
 
 # -----------------------------------------------------------------------------
-# the lab: faults on demand, the one-process reference, the cost of a failure
+# the lab: the coordinator and the launcher, faults on demand, the one-process reference, the cost of a failure
 
-def free_port():
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def announce(cfg, run, me):
+    """What a replica must share with the job to join it."""
+    return dict(replica=me, replicas=cfg.replicas, sync_every=cfg.sync_every, step=run.start_iter,
+                config=vars(run.config), batch=[cfg.batch_size, cfg.block_size], seed=cfg.seed)
+
+
+def arrive(cfg, run):
+    """Announce this life of the replica in the coordinator's store and wait for its verdict:
+    -> (the store, life, the epoch it is admitted to or None: the job has finished); refused, one line."""
+    host, _, port = cfg.coordinator.rpartition(":")
+    store = dist.TCPStore(host or "127.0.0.1", int(port), is_master=False,
+                          timeout=datetime.timedelta(seconds=3 * cfg.timeout_s))
+    me, life = cfg.replica, int(os.environ.get("FT_LIFE", -1))  # a launcher gives it, to report this life's death
+    n = int(store.get("replicas"))  # the coordinator reads ids below the job's count only: refused here, not unread
+    if me >= n:
+        M.die(f"replica {me} refused: the job has {n} replicas (--replicas), ids 0 to {n - 1}", scope="me")
+    life = life if life >= 0 else store.add(f"lives/{me}", 1) - 1
+    store.set(f"join/{me}/{life}", json.dumps(announce(cfg, run, me)))
+    verdict = wait_for(store, [f"admit/{me}/{life}", f"refuse/{me}/{life}"])
+    why = store.get(verdict).decode()
+    if verdict.startswith("refuse") and why != "finished":
+        M.die(f"replica {me} refused: {why}", scope="me")
+    return store, life, None if verdict.startswith("refuse") else int(why)
+
+
+class Coordinator:
+    """The one process that must not die decides the epochs. Every POLL_S it reads the deaths (from
+    the launchers), announcements, votes and an aborted epoch's survivors; it writes epoch/e (members,
+    first step, joiners and their source), next/e/k (the epoch of step k+1, once every member voted),
+    abort/e, and each announcement's admit/ or refuse/."""
+
+    def __init__(self, store, cfg, job):
+        self.store, self.cfg, self.job = store, cfg, job
+        self.e, self.members, self.k, self.aborted = -1, {}, None, None  # members: replica -> its life
+        self.seen, self.pending, self.died_at = set(), {}, {}  # (replica, life) read; joiners; deaths' times
+        self.holds = [(b, r) for r, _, _, b in parse_faults(cfg.faults) if b is not None]
+        store.set("replicas", str(cfg.replicas))  # what a replica checks its id against before it announces
+
+    def dead(self, r, life):
+        return self.store.check([f"dead/{r}/{life}"])
+
+    def refusal(self, joiner):
+        """-> why a joiner cannot join the job (one line), or None."""
+        job, r, now = self.job, joiner["replica"], self.job["step"] if self.k is None else self.k
+        if joiner["replicas"] != job["replicas"]:  # (main() saw to it that r < its --replicas)
+            return f"it was started as replica {r} of {joiner['replicas']}, the job has {job['replicas']} replicas"
+        for key in ("sync_every", "batch", "seed"):
+            if joiner[key] != job[key]:
+                return f"its {key} is {joiner[key]}, the job's {job[key]}"
+        if joiner["config"] != job["config"]:
+            diff = ", ".join(f"{k}={joiner['config'][k]} (the job's {v})" for k, v in job["config"].items()
+                             if joiner["config"].get(k) != v)
+            return f"a different model: {diff}"
+        if joiner["step"] > now:
+            return f"its state is at step {joiner['step']}, ahead of the job's step {now}: a replica of another run?"
+        if self.k is None and joiner["step"] != now:
+            return f"its state is at step {joiner['step']}, the job starts at step {now}"
+        if r in self.pending or r in self.members and not self.dead(r, self.members[r]):
+            return f"replica {r} is already in the job"
+        return "finished" if self.k is not None and self.k >= self.cfg.max_iters else None
+
+    def admit_now(self, step):
+        """The joiners to admit at the start of `step`; None: wait (a --faults hold not yet ready).
+        DiLoCo admits at a round's start, where every replica holds the same weights."""
+        if step >= self.cfg.max_iters:
+            return []
+        if self.cfg.faults:
+            want = [r for b, r in self.holds if b == step]
+            return None if any(r not in self.pending for r in want) else want
+        return list(self.pending) if step % self.cfg.sync_every == 0 else []
+
+    def form(self, members, step, joiners):
+        """Epoch e+1: the members (replica -> life) and the joiners admitted with it."""
+        e, lives = self.e + 1, {**members, **{r: self.pending.pop(r) for r in joiners}}
+        self.store.set(f"epoch/{e}", json.dumps(dict(
+            epoch=e, members=sorted(lives), step=step, joiners=sorted(joiners) if members else [],
+            source=min(members) if members else None,
+            back={r: self.died_at.pop(r) for r in joiners if r in self.died_at})))
+        for r in joiners:
+            self.store.set(f"admit/{r}/{lives[r]}", str(e))
+        self.e, self.members, self.k, self.aborted = e, lives, step, None
+
+    def tick(self):
+        """One look at the store, and what it calls for written back."""
+        st, cfg = self.store, self.cfg
+        for r in range(cfg.replicas):  # new replicas: refused, or wait to be admitted
+            for life in range(st.add(f"lives/{r}", 0)):  # a life that died starting never announces
+                if (r, life) not in self.seen and st.check([f"join/{r}/{life}"]):
+                    self.seen.add((r, life))
+                    why = self.refusal(json.loads(st.get(f"join/{r}/{life}")))
+                    if why:
+                        st.set(f"refuse/{r}/{life}", why)
+                    else:
+                        self.pending[r] = life
+        self.pending = {r: life for r, life in self.pending.items() if not self.dead(r, life)}
+        if self.k is not None and self.k >= cfg.max_iters:
+            return
+        if self.e < 0:  # the first epoch: all of them, each from the same start (no source)
+            if len(self.pending) == cfg.replicas:
+                self.form({}, self.job["step"], list(self.pending))
+            return
+        for r, life in self.members.items():
+            if self.dead(r, life):  # a member's process is gone: nobody waits for it
+                self.died_at.setdefault(r, time.time())
+                if self.aborted is None:
+                    st.compare_set(f"abort/{self.e}", "", str(time.time()))
+        if self.aborted is None and st.check([f"abort/{self.e}"]):
+            self.aborted = time.monotonic()
+        if self.aborted is None:  # the step commits once every member has voted for it
+            joiners = self.admit_now(self.k + 1)
+            if st.add(f"vote/{self.e}/{self.k}", 0) < len(self.members) or joiners is None:
+                return
+            e, k = self.e, self.k
+            if joiners:
+                self.form(self.members, k + 1, joiners)
+            else:
+                self.k += 1
+            st.set(f"next/{e}/{k}", str(self.e))
+            return
+        # aborted: wait until every member is dead or alive again (the silent: --timeout_s), then re-form
+        alive = {r: life for r, life in self.members.items()
+                 if not self.dead(r, life) and st.check([f"alive/{self.e}/{r}"])}
+        silent = [r for r, life in self.members.items() if not self.dead(r, life) and r not in alive]
+        if silent and time.monotonic() - self.aborted < cfg.timeout_s:
+            return
+        if not alive:
+            raise SystemExit("error: every replica of the job died: nothing is left to recover from")
+        step = max(int(st.get(f"alive/{self.e}/{r}")) for r in alive)
+        self.form(alive, step, self.admit_now(step) or [])
+
+
+def launch(cfg, argv):
+    """The launcher: hosts the coordinator (unless --coordinator names another host's), starts its
+    replicas (--launch, default all) as processes of their own, counts each one's death in the
+    store and starts it again (--max_restarts). torchrun's agent cannot: it restarts every worker."""
+    host, _, port = cfg.coordinator.rpartition(":")
+    host, hosting = host or "127.0.0.1", host in ("", "127.0.0.1", "localhost")
+    store = dist.TCPStore(host, int(port or 0), is_master=hosting, wait_for_workers=False,  # port 0: a free one
+                          timeout=datetime.timedelta(seconds=60))
+    port = store.port
+    mine = [int(r) for r in cfg.launch.split(",")] if cfg.launch else list(range(cfg.replicas))
+    run = M.start(cfg, "fault_tolerance")  # the flags and the data, checked once here
+    job = dict(announce(cfg, run, 0), step=M.read_manifest(cfg.resume)["step"] if cfg.resume else 0)
+    coordinator = Coordinator(store, cfg, job) if hosting else None
+    if coordinator:
+        print(f"fault_tolerance: coordinator at {host}:{port}, {cfg.replicas} replicas, " +
+              (f"DiLoCo, H = {cfg.sync_every}" if cfg.sync_every > 1 else "the gradient averaged every step"), flush=True)
+    args = [a for a in argv if not a.startswith(("--replica=", "--coordinator=", "--launch="))]
+    lives, ctx = {}, multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "numpy", "model", "collectives", "fault_tolerance"])
+    from fault_tolerance import replica_process  # by its module's name, not __main__'s, for the server
+
+    def start(r):  # a process of its own, forked from a server that imported torch once (0.1 s, not 3)
+        lives[r] = store.add(f"lives/{r}", 1) - 1
+        p = ctx.Process(target=replica_process, args=(
+            args + [f"--replica={r}", f"--coordinator={host}:{port}"], lives[r], mine.index(r)))
+        p.start()
+        return p
+    procs, restarts, done = {r: start(r) for r in mine}, {r: 0 for r in mine}, set()
+    try:
+        while len(done) < len(mine):
+            for r, p in procs.items():
+                if r in done or p.exitcode is None:
+                    continue
+                if p.exitcode == 0:
+                    done.add(r)
+                    continue
+                store.set(f"dead/{r}/{lives[r]}", str(p.exitcode))
+                if p.exitcode != 2 and restarts[r] < cfg.max_restarts:  # 2: refused
+                    restarts[r] += 1
+                    procs[r] = start(r)
+                    continue
+                print(f"replica {r} exited with {p.exitcode}; not restarted", file=sys.stderr, flush=True)
+                done.add(r)  # the others go on
+                if coordinator and coordinator.e < 0:  # the first epoch waits for all N: it never comes
+                    print("error: the job cannot start without every replica", file=sys.stderr, flush=True)
+                    return 1
+            if coordinator:
+                coordinator.tick()
+            time.sleep(POLL_S)
+    finally:
+        for p in procs.values():
+            if p.exitcode is None:
+                p.kill()
+    return 0 if all(procs[r].exitcode == 0 for r in mine) else 1
+
+
+def replica_process(argv, life, local):
+    """A launcher's replica: its life (for its death's report) and its GPU (the local-th of the node)."""
+    os.environ.update(FT_LIFE=str(life), LOCAL_RANK=str(local), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    M.main_guard(lambda: main(argv))
 
 
 def parse_faults(spec):
@@ -531,8 +489,16 @@ def parse_faults(spec):
     return out
 
 
+def absences(spec, max_iters):
+    """--faults -> {replica: the steps it is away}: from its death to the step it is back."""
+    away = {}
+    for r, s, _, b in parse_faults(spec):
+        away.setdefault(r, set()).update(range(s, b if b is not None else max_iters))
+    return away
+
+
 class Faults:
-    """This replica's own deaths, from --faults: the life-th entry that names it."""
+    """This replica's own death, from --faults: the life-th entry that names it."""
 
     def __init__(self, spec, me, life):
         mine = [(s, where) for r, s, where, _ in parse_faults(spec) if r == me]
@@ -559,43 +525,31 @@ def fingerprint(params):
     return int.from_bytes(hashlib.blake2b(data, digest_size=6).digest(), "big")
 
 
+def traffic_per_rank(config, cfg, world):
+    """Bytes a replica sends a step, on average: DDP's all-reduce of the gradient, 2(N-1)/N of
+    its bytes, once every --sync_every steps (DiLoCo's pseudo-gradient has the weights' size)."""
+    return 2 * (world - 1) / world * 4 * M.param_count(config) / cfg.sync_every
+
+
 def lost_work(failures_per_day, replicas, ckpt_interval_s, restart_s, recovery_s, rejoin_s, round_s):
-    """The share of a day's work (0..1, of the whole job) that failures cost, three ways, each
-    failure taking one replica (a GPU's failure takes its whole model copy):
-      checkpoint-restart  every replica loses the work since the last checkpoint (half an
-                          interval, on average) and waits for the restart
-      per step            (this file) the survivors lose recovery_s (notice, re-form, redo the
-                          all-reduce); the dead replica's share, 1/N, is missing until it rejoins
-      DiLoCo              the survivors lose recovery_s at the round's all-reduce; the dead
-                          replica loses its round's local steps (half a round, on average), its
-                          restart, and the wait for the next round's start (half a round)
-    -> {way: share of the day lost}."""
+    """The share of a day's work (0..1) that failures cost, each taking one replica, three ways
+    (docs/fault_tolerance.md, "What a failure costs"). -> {way: share}."""
     day = 86400.0
     return {"checkpoint-restart": failures_per_day * (ckpt_interval_s / 2 + restart_s) / day,
             "per step": failures_per_day * (recovery_s + rejoin_s / replicas) / day,
             "DiLoCo": failures_per_day * (recovery_s + (round_s + rejoin_s) / replicas) / day}
 
 
-def absences(spec, max_iters):
-    """--faults -> {replica: the steps it is away}: from its death to the step it is back."""
-    away = {}
-    for r, s, _, b in parse_faults(spec):
-        away.setdefault(r, set()).update(range(s, b if b is not None else max_iters))
-    return away
-
-
 def reference(argv, away=None):
-    """The one-process run the replicas are held to, told which replica was away at which steps
-    ({replica: steps}, absences(--faults)). --sync_every=1: each step one forward over the rows
-    of the replicas present (their mean gradient). DiLoCo: the replicas one after another, each
-    its own model and AdamW, the outer step over those present; a replica back gets the round's
-    start and the lowest survivor's AdamW state, as send_state gives it. -> (records with iter,
-    loss, grad_norm; the final state_dict)."""
+    """The one-process run the replicas are held to, told who was away when ({replica: steps}, as
+    absences gives). DDP: one forward over the present replicas' rows. DiLoCo: the replicas one after
+    another, each its own model and AdamW; one back gets the round's start and the lowest survivor's
+    AdamW state, as send_state gives it. -> (records, the final state_dict)."""
     cfg = M.parse_args(DEFAULTS, argv, __doc__)
     run = M.start(cfg, "fault_tolerance")
-    N, H, away, device = cfg.replicas, cfg.sync_every, away or {}, run.device
-    models = [M.GPT(run.config, seed=cfg.seed).to(device) for _ in range(1 if H == 1 else N)]
-    opts = [M.make_optimizer(m.named_parameters(), cfg, device) for m in models]
+    N, H, away = cfg.replicas, cfg.sync_every, away or {}
+    models = [M.GPT(run.config, seed=cfg.seed).to(run.device) for _ in range(1 if H == 1 else N)]
+    opts = [M.make_optimizer(m.named_parameters(), cfg, run.device) for m in models]
     start = torch.nn.utils.parameters_to_vector(models[0].parameters()).detach().clone()
     outer = torch.optim.SGD([start], lr=cfg.outer_lr, momentum=cfg.outer_momentum, nesterov=True)
     records = []
@@ -603,33 +557,28 @@ def reference(argv, away=None):
         here = [r for r in range(N) if it not in away.get(r, ())]
         for o in opts:
             M.set_lr(o, M.get_lr(it, cfg))
-        if H == 1:
+        if H == 1:  # one model, the present replicas' rows together
             rows = [M.batch(run, it, "train", 0, 1, r, N) for r in here]
-            opts[0].zero_grad()
-            with run.autocast:
-                _, loss = models[0](torch.cat([x for x, _ in rows]), torch.cat([y for _, y in rows]))
-            loss.backward()
-            norm = torch.nn.utils.clip_grad_norm_(models[0].parameters(), cfg.grad_clip)
-            opts[0].step()
-            records.append(dict(iter=it, loss=loss.item(), grad_norm=norm.item()))
-            continue
-        source = min(r for r in here if it - 1 not in away.get(r, ()))
-        for r in here:
-            if it - 1 in away.get(r, ()):  # back: the round's start weights, the source's AdamW state
-                copy_into(list(models[r].parameters()), start)
-                opts[r].load_state_dict(copy.deepcopy(opts[source].state_dict()))
+            batches = {0: (torch.cat([x for x, _ in rows]), torch.cat([y for _, y in rows]))}
+        else:
+            source = min(r for r in here if it - 1 not in away.get(r, ()))
+            for r in here:
+                if it - 1 in away.get(r, ()):  # back: the round's start weights, the source's AdamW state
+                    copy_into(list(models[r].parameters()), start)
+                    opts[r].load_state_dict(copy.deepcopy(opts[source].state_dict()))
+            batches = {r: M.batch(run, it, "train", 0, 1, r, N) for r in here}
         losses, norms = [], []
-        for r in here:
+        for r, (x, y) in batches.items():
             opts[r].zero_grad()
             with run.autocast:
-                _, loss = models[r](*M.batch(run, it, "train", 0, 1, r, N))
+                _, loss = models[r](x, y)
             loss.backward()
             norms.append(torch.nn.utils.clip_grad_norm_(models[r].parameters(), cfg.grad_clip).item())
             opts[r].step()
             losses.append(loss.item())
-        if (it + 1) % H == 0:
-            vectors = [torch.nn.utils.parameters_to_vector(models[r].parameters()) for r in here]
-            start.grad = torch.stack([start - v for v in vectors]).mean(0)
+        if H > 1 and (it + 1) % H == 0:
+            start.grad = torch.stack([start - torch.nn.utils.parameters_to_vector(models[r].parameters())
+                                      for r in here]).mean(0)
             outer.step()
             for r in here:
                 copy_into(list(models[r].parameters()), start)

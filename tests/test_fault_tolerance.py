@@ -104,12 +104,14 @@ def test_killed_in_the_all_reduce_and_between_steps_twice(train_args, tmp_path, 
     argv = train_args + FT_ARGS + ["--replicas=3"]
     faults = "1@2:reduce>4,1@5:start>7"
     bad = [argv + ["--replica=2", "--replicas=4"], argv + ["--replica=2", "--model=small"],
-           argv + ["--replica=2", f"--resume={folder}"]]
+           argv + ["--replica=2", f"--resume={folder}"], argv + ["--replica=3", "--replicas=4"]]
     records, final, refused = run_with_faults(argv + ["--max_iters=8"], faults, tmp_path, bad)
     check_against_reference(argv, faults, records, final)
-    for (code, err), says in zip(refused, ["a different model: n_layer=", "started as replica 2 of 4, the job has 3 replicas",
-                                           "its state is at step 50, ahead of"]):
-        assert code == 2 and err.count("\n") == 1 and err.startswith("error: replica 2 refused: ") and says in err, err
+    for (code, err), (r, says) in zip(refused, [(2, "a different model: n_layer="),
+                                                (2, "started as replica 2 of 4, the job has 3 replicas"),
+                                                (2, "its state is at step 50, ahead of"),
+                                                (3, "the job has 3 replicas (--replicas)")]):  # an id it has not: never unread
+        assert code == 2 and err.count("\n") == 1 and err.startswith(f"error: replica {r} refused: ") and says in err, err
     n_params = M.num_params(M.GPT(M.make_config("tiny", VOCAB, block_size=32)).parameters())
     for r in records:
         n = len(r["replicas"])
