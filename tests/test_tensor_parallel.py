@@ -143,17 +143,21 @@ def check_layers(rank, world):
         close(xl.grad, seq(gx, rank, world, sp), "block input grad" + tag)
         compare_params(par, grads, sp, "block" + tag)
 
-    # vocabulary-parallel cross-entropy against F.cross_entropy
-    logits, targets = 3 * torch.randn(B * T, V), torch.randint(0, V, (B * T,))
-    logits.requires_grad_()
-    loss = F.cross_entropy(logits, targets)
-    loss.backward()
-    vocab = TP.shard_index(V, 1, rank, world)
-    local = TP.take(logits.detach(), vocab).requires_grad_()
-    loss_l = TP.vocab_parallel_cross_entropy(local, targets, vocab[1])
-    close(loss_l, loss.detach(), "cross-entropy")
-    loss_l.backward()
-    close(local.grad, TP.take(logits.grad, vocab), "cross-entropy grad")
+    # vocabulary-parallel cross-entropy against F.cross_entropy; also at logits of +-500, as a bf16 spike or
+    # late training reaches: there only the max over the ranks keeps exp(z - m) from underflowing (the
+    # tiny model's logits stay near 3, where a sum of the ranks' maxima gives the same log-sum-exp)
+    targets = torch.randint(0, V, (B * T,))
+    for scale, dtype in ((3, torch.float32), (500, torch.float32), (500, torch.bfloat16)):
+        logits = (scale * (2 * torch.rand(B * T, V) - 1)).to(dtype).requires_grad_()
+        loss = F.cross_entropy(logits.float(), targets)
+        loss.backward()
+        vocab = TP.shard_index(V, 1, rank, world)
+        local = TP.take(logits.detach(), vocab).requires_grad_()
+        loss_l = TP.vocab_parallel_cross_entropy(local, targets, vocab[1])
+        tag = f" (logits to +-{scale}, {dtype})"
+        close(loss_l, loss.detach(), "cross-entropy" + tag)
+        loss_l.backward()
+        close(local.grad.float(), TP.take(logits.grad, vocab).float(), "cross-entropy grad" + tag)
 
 
 class LargestTensor(TorchDispatchMode):
