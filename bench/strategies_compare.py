@@ -183,7 +183,7 @@ class _Stepped(Exception):
     """Raised at the optimizer's first step, once the gradients are taken: the run ends there."""
 
 
-def gradient_pieces(module, args, folder=None):
+def gradient_pieces(module, args, folder=None, setup=None):
     """module.main(args + one step, no clipping) in this process, stopped at its optimizer's step:
     -> ([(name, index, this rank's gradient piece)] for every entry the checkpoint would hold,
     {(block, "input" or "output"): [sum, sum of squares, tokens] over this rank's tokens}). In the
@@ -199,6 +199,8 @@ def gradient_pieces(module, args, folder=None):
         scope = contextlib.nullcontext()
     with scope:
         model = importlib.import_module("model")
+        if setup:
+            setup(model)  # a preset to register (exercises/grade.py's tiny_moe)
         runs, restore = [], model.restore
 
         def remember(run, entries, optimizer):
@@ -241,22 +243,21 @@ def gradient_pieces(module, args, folder=None):
     raise RuntimeError(f"{module} ended without an optimizer step")
 
 
-def _gradient_job(rank, world, module, args, folder):
-    import torch
-    torch.manual_seed(0)
-    return gradient_pieces(module, args, folder)
+def _gradient_job(rank, world, module, args, folder, setup):
+    return gradient_pieces(module, args, folder, setup)
 
 
-def bisect(module, args, world, folder=None):
+def bisect(module, args, world, folder=None, setup=None):
     """-> lines: where `module` at `world` ranks first differs from the one-process ddp.py, by gradient."""
     sys.path.insert(0, os.path.join(ROOT, "tests"))
     from harness import spawn, one_thread
     import ddp
     same = [a for a in args if a.lstrip("-").split("=")[0] in ddp.DEFAULTS]  # the model, data and batch
     with one_thread():
-        ref, ref_stats = gradient_pieces("ddp", same)
+        ref, ref_stats = gradient_pieces("ddp", same, setup=setup)
     ref = {name: t for name, _, t in ref}
-    ranks = spawn(_gradient_job, world, module, args, folder, timeout=300)
+    from bench.strategies_compare import _gradient_job  # by a name the ranks can import, whoever runs this
+    ranks = spawn(_gradient_job, world, module, args, folder, setup, timeout=300)
     # the forward first: a block's input or output summed over every token, each rank's share weighted
     # so that a token held by several ranks (tensor parallel's replicas) counts once
     for key in sorted(ref_stats, key=lambda k: (k[0], k[1] == "output")):

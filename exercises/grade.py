@@ -398,9 +398,13 @@ def check_train(folder, module, flags, worlds, data_dir):
             lines.append((False, f"{name}: {_hang_or_error(results)}"))
             continue
         records = results[0]["records"]
-        lines.append(_compare_steps(f"{name}: loss", records, ref, "loss", lambda q: LOSS_TOL))
-        lines.append(_compare_steps(f"{name}: gradient norm before clipping", records, ref, "grad_norm",
-                                    lambda q: LOSS_TOL * max(1.0, abs(q)), "relative"))
+        found = [_compare_steps(f"{name}: loss", records, ref, "loss", lambda q: LOSS_TOL),
+                 _compare_steps(f"{name}: gradient norm before clipping", records, ref, "grad_norm",
+                                lambda q: LOSS_TOL * max(1.0, abs(q)), "relative")]
+        bad = next((i for i, (ok, _) in enumerate(found) if not ok), None)
+        if bad is not None:  # where: the bisector's first line (bench/strategies_compare.py --bisect)
+            found[bad] = (False, f"{found[bad][1]}; {where_it_differs(folder, module, args, world)}")
+        lines += found
         bad = None
         for r in records:
             want, tol = formula_bytes(module, args, world, r)
@@ -412,6 +416,15 @@ def check_train(folder, module, flags, worlds, data_dir):
                      (True, f"{name}: bytes: {sum(records[-1]['comm_bytes'])} a step in all = "
                             f"{module}.traffic_per_rank()"))
     return lines
+
+
+def where_it_differs(folder, module, args, world):
+    """The first line of bench/strategies_compare.py's bisector on the workspace's run."""
+    from bench.strategies_compare import bisect
+    try:
+        return bisect(module, args, world, folder, _moe_preset)[0]
+    except Exception as e:  # the run got through once: a second failure is worth a word, not a crash
+        return f"(the bisector could not say where: {describe(e)})"
 
 
 def _compare_steps(name, records, ref, key, tol, how=""):

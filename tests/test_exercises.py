@@ -223,6 +223,8 @@ for p in params:
                                                                                      refs))
     ok, line = lines["gradient norm before clipping"]
     assert not ok and "first differs at step 0" in line, line
+    # and where, from the bisector (bench/strategies_compare.py --bisect): the first tensor, half its size
+    assert "; first difference: transformer.wte.weight's gradient" in line and "norm 0.500x" in line, line
     flat = _solve(tmp_path / "flat", "ddp_naive", {"all_reduce_each": """
 grads = [p.grad for p in params]
 flat = torch.cat([g.reshape(-1) for g in grads])
@@ -275,11 +277,13 @@ def test_fsdp_gradient_summed_and_experts_rows_unsorted_fail(refs, tmp_path):
         **{f: _real("fsdp_unit", f) for f in ("Unit.gather", "Unit.free", "add_reduced")}})
     ok, line = G.check_train(folder, "fsdp", ["--zero_stage=3"], (2,), refs)[1]
     assert not ok and "gradient norm before clipping: first differs at step 0" in line, line
+    assert "norm 2.000x the one-process run's" in line, line
     folder = _solve(tmp_path / "unsorted", "moe_dispatch_combine", {
         "ExpertParallelMoE.by_all_to_all": _real("moe_dispatch_combine", "ExpertParallelMoE.by_all_to_all"),
         "transpose_blocks": "return x"})
     ok, line = G.check_train(folder, "expert_parallel", BY_NAME["moe_dispatch_combine"].checks[0][2], (2,), refs)[0]
     assert not ok and "loss: first differs at step 0" in line, line
+    assert "; first difference: the forward, at transformer.h.0's output (its input agrees" in line, line
 
 
 def test_merge_that_forgets_the_weights_fails():
