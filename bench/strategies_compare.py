@@ -274,8 +274,8 @@ def bisect(module, args, world, folder=None, setup=None):
                                                          f" (its input agrees: inside transformer.h.{block})"
                                                          if kind == "output" else "")
             return [f"first difference: the forward, at {where}: its sum of squares over every token "
-                    f"{q / q_ref:.4f}x the one-process run's (relative difference {rel:.1e}); every earlier block "
-                    f"boundary agrees"]
+                    f"{q / q_ref:.4f}x the one-process run's (relative difference {rel:.1e})"
+                    + ("; every earlier block boundary agrees" if key != (0, "input") else "")]
     rows = []  # (name, rank, index, relative max difference, largest difference, norm ratio)
     for rank, (pieces, _) in enumerate(ranks):
         for name, where, g in pieces:
@@ -297,24 +297,24 @@ def bisect(module, args, world, folder=None, setup=None):
     ranks_off = sorted({r[1] for r in off if r[0] == name})
     how = "whole" if where is None else f"{where[0]}[{where[1]}:{where[2]}]" if where[0] == "flat" else \
         f"dim {where[0]} [{where[1]}:{where[2]}]"
-    lines = [f"first difference: {name}'s gradient, rank {rank}'s piece ({how}): {rel:.1%} off (largest difference "
-             f"{diff:.2e}, norm {ratio:.3f}x the one-process run's); held by ranks {held[name]}, off on "
-             f"{ranks_off}"]
     names_off = sorted({r[0] for r in off}, key=order.index)
     ratios = [r[5] for r in off]
+    pattern = ""  # what the tensors that differ have in common, said on the first line (grade.py prints it)
     if max(ratios) - min(ratios) < 1e-3 * max(ratios):  # one factor on every piece: a scale
         axes = [f"--{a}={v}" for a, v in (f.lstrip("-").split("=", 1) for f in args if "=" in f)
                 if a in ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep") and v.isdigit()
                 and int(v) > 1 and abs(int(v) - max(ratio, 1 / ratio)) < 1e-2]
-        lines.append(f"every piece that differs is {ratio:.3f}x the one-process run's: a sum where an average belongs "
-                     f"(or an average twice) over ranks of that many" + (f" ({', '.join(axes)})" if axes else ""))
-    whole = [n for n in order if n in held and all(r[2] is None for r in rows if r[0] == n)]
-    if names_off == [n for n in whole if len(held[n]) == world and any(r[0] == n for r in off)] and \
-            len(names_off) < len(order):
-        lines.append(f"what differs is exactly what every rank holds whole ({len(names_off)} replicated tensors) and the "
-                     f"sharded tensors agree: the replicas' gradients are not summed (or averaged) over the ranks")
-    lines.append(f"{len(names_off)} of {len(order)} tensors differ (relative > 1e-4): "
-                 + ", ".join(names_off[:8]) + (", ..." if len(names_off) > 8 else ""))
+        pattern = (f"; every piece that differs is {ratio:.3f}x: a sum where an average belongs (or an average "
+                   f"twice) over ranks of that many" + (f" ({', '.join(axes)})" if axes else ""))
+    whole = [n for n in order if len(held[n]) == world and all(r[2] is None for r in rows if r[0] == n)]
+    if names_off == [n for n in whole if n in names_off] and len(names_off) < len(order):
+        pattern += (f"; what differs is exactly what every rank holds whole ({len(names_off)} replicas) and the "
+                    f"sharded tensors agree: the replicas' gradients are not summed over the ranks")
+    lines = [f"first difference: {name}'s gradient, rank {rank}'s piece ({how}): {rel:.1%} off (largest difference "
+             f"{diff:.2e}, norm {ratio:.3f}x the one-process run's); held by ranks {held[name]}, off on "
+             f"{ranks_off}{pattern}",
+             f"{len(names_off)} of {len(order)} tensors differ (relative > 1e-4): "
+             + ", ".join(names_off[:8]) + (", ..." if len(names_off) > 8 else "")]
     return lines
 
 
