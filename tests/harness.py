@@ -20,6 +20,7 @@ Two ways in:
       job, no traceback reaching the user): each launch costs 8-20 s on 2 cores.
 Plus read_log / assert_logs_match for the per-iteration JSON logs.
 """
+import atexit
 import contextlib
 import faulthandler
 import importlib
@@ -138,6 +139,9 @@ def _end_pool(world_size):
     with contextlib.suppress(OSError):
         os.rmdir(os.path.dirname(said[0]))
 
+
+# at exit every pool goes, and the files of what its ranks said with it
+atexit.register(lambda: [_end_pool(w) for w in list(_pools)])
 
 POLL_S = 0.2  # how often spawn() looks for a rank that died instead of answering
 

@@ -61,15 +61,15 @@ def _attention_errors(world, method="ring"):
             results[(layout, str(dtype))] = (errors, sent, typed, clock.take_ms())
         # scores of +-500 (q x 200): a merge or a softmax that does not subtract the running max
         # overflows there; errors relative to the largest element of each reference
-        ref = [(200 * q).requires_grad_(), k.clone().requires_grad_(), v.clone().requires_grad_()]
-        out_ref = F.scaled_dot_product_attention(*ref, is_causal=True)
-        out_ref.backward(dout)
+        big = [(200 * q).requires_grad_(), k.clone().requires_grad_(), v.clone().requires_grad_()]
+        out_big = F.scaled_dot_product_attention(*big, is_causal=True)
+        out_big.backward(dout)
         ring = CP.Ring(None, layout)
         pos = CP.positions(S, ring.me, ring.n, layout)
-        mine = [t.detach()[:, :, pos].clone().requires_grad_() for t in ref]
+        mine = [t.detach()[:, :, pos].clone().requires_grad_() for t in big]
         out = CP.ATTENTION[method](*mine, ring, CP.Clock())
         out.backward(dout[:, :, pos])
-        pairs = [(out, out_ref[:, :, pos])] + [(a.grad, b.grad[:, :, pos]) for a, b in zip(mine, ref)]
+        pairs = [(out, out_big[:, :, pos])] + [(a.grad, b.grad[:, :, pos]) for a, b in zip(mine, big)]
         results[(layout, "large")] = [((a - b).abs().max() / b.abs().max()).item() for a, b in pairs]
     return results
 
