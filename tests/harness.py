@@ -30,6 +30,7 @@ import multiprocessing as mp
 import os
 import queue as queues
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -376,14 +377,30 @@ def _train_quietly(rank, world_size, module, argv, setup=None):
         return importlib.import_module(module).main(argv)
 
 
+def _train_and_resume(rank, world_size, module, argv, setup, out, last):
+    """module.main(argv), checkpointing after every step, then again from `last`."""
+    saving = [f"--out_dir={out}", "--ckpt_interval=1", "--keep_ckpts=9"]
+    records = _train_quietly(rank, world_size, module, argv + saving, setup)
+    return records, _train_quietly(rank, world_size, module, argv + [f"--resume={out}/step_{last:06d}"], setup)
+
+
 def check_at_two_ranks(module, argv, reference, vocab, setup=None):
     """Each strategy file's quick check (`python -m pytest -m quick tests/test_<file>.py`):
     module.main(argv) on 2 pooled ranks against the one-process run of the same argv, its
     `reference` records: the loss at every step and the validation losses within 1e-4, and
-    the bytes of assert_sent_the_formula. The long proofs (20 steps, 3 and 4 ranks, the final
-    parameters, bf16, resume) are the rest of the file. `setup` runs first in every rank (a
-    preset to register). -> rank 0's records."""
-    records = spawn(_train_quietly, 2, module, argv, setup, timeout=300)[0]
+    the bytes of assert_sent_the_formula; and resumed from its checkpoint two steps before the
+    end, the same last two losses to the bit (parameters and Adam's moments came back). The
+    long proofs (20 steps, 3 and 4 ranks, the final parameters, bf16, resharding) are the rest
+    of the file. `setup` runs first in every rank (a preset to register). -> rank 0's records."""
+    out = tempfile.mkdtemp(prefix="quick_ckpt_")
+    try:
+        # two steps from the end: the second step's loss has seen an update by the restored Adam moments
+        last = int(next(a for a in reversed(argv) if a.startswith("--max_iters=")).split("=")[1]) - 2
+        records, resumed = spawn(_train_and_resume, 2, module, argv, setup, out, last, timeout=300)[0]
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+    assert [(r["iter"], r["loss"]) for r in resumed] == [(r["iter"], r["loss"]) for r in records[last:]], \
+        f"{module}: resumed from step {last}: {[r['loss'] for r in resumed]}, the run {[r['loss'] for r in records[last:]]}"
     assert_logs_match(records, reference, 1e-4)
     assert_logs_match([r for r in records if "val_loss" in r], [r for r in reference if "val_loss" in r],
                       1e-4, key="val_loss")
