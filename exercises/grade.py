@@ -46,6 +46,7 @@ SHORT_STEPS = 3          # as the suite's short parity runs: a wrong slice or su
 COLLECTIVE_TIMEOUT_S = 5  # a wait in a collective check (milliseconds of work) that lasts this long is a hang
 TRAIN_TIMEOUT_S = 30      # a wait in a training run: longer, a peer may be computing a whole stage
 LAUNCH_TIMEOUT_S = 240    # the harness's own deadline for a launch, should a rank hang outside any wait
+COLLECTIVE_LAUNCH_S = 30  # the same for the collectives' checks (seconds of work, 3 ranks on 2 busy cores)
 LOSS_TOL = 1e-4
 MOE_FLAGS = ("--n_expert", "--top_k")
 
@@ -264,16 +265,38 @@ def _train_job(rank, world, folder, module, args, timeout_s):
 # ----------------------------------------------------------------------------- launching, and the checks
 
 
-def _launch(job, world, *args):
-    """-> (each rank's result, or None and a line saying why there are none)."""
-    from harness import spawn, _end_pool, _pools
+def _launch(job, world, *args, timeout=LAUNCH_TIMEOUT_S):
+    """-> (each rank's result, or None and a line saying why there are none). A rank that dies
+    ends the launch at once (harness.RankDied); ranks that never answer, at the deadline, with
+    where they were (harness.NeverReturned): no wait timed out, so they are not waiting for a
+    message, but running something that never returns."""
+    from harness import spawn, _end_pool, _pools, RankDied, NeverReturned
     try:
-        results = spawn(job, world, *args, timeout=LAUNCH_TIMEOUT_S)
+        results = spawn(job, world, *args, timeout=timeout)
+    except RankDied as e:
+        return None, died(e)
+    except NeverReturned as e:
+        where = "; ".join(f"rank {r} at {e.where[r]}" for r in e.ranks if e.where.get(r))
+        return None, (f"{NEVER_RETURNED} after {timeout} s (ranks {e.ranks}), and none waits for a message: "
+                      f"{where or 'somewhere'} (an endless loop?)")
     except AssertionError as e:
         return None, str(e).strip().splitlines()[0]
     if any(r.get("broken") for r in results) and world in _pools:
         _end_pool(world)  # a failed check may leave messages posted: the next launch gets fresh ranks
     return results, None
+
+
+NEVER_RETURNED = "never returned"
+
+
+def died(e):
+    """A student's line for harness.RankDied: gloo's size check in words, else the signal."""
+    size = re.search(r"op\.preamble\.length <= op\.nbytes\. (\d+) vs (\d+)", e.said)
+    if size:
+        sent, room = (int(n) // 4 for n in size.groups())
+        return (f"rank {e.rank} crashed: a send and its receive disagree on the size, {sent} elements sent to it "
+                f"where it posted a receive of {room} (float32; gloo aborts the receiving process)")
+    return f"rank {e.rank} crashed ({e.how})" + (f": {e.last}" if e.last else "")
 
 
 def _hang_or_error(results):
@@ -283,7 +306,7 @@ def _hang_or_error(results):
     first = next((r for r in failed if not r.get("comm")), None)  # what a rank raised beats its peers' timeouts
     if first is not None:
         return first["error"]
-    error = re.sub(r"\[[^\]]*\] ", "", comm[0]["error"])  # gloo's source path
+    error = re.sub(r"\[[^\]]*[/\\][^\]]*\] ", "", comm[0]["error"])  # gloo's source path, not a rank list
     line = next((r["hang"] for r in comm if r.get("hang")), "")
     return f"hung: {error}; " + (line or "the flight recorder finds every rank in the same op: its messages "
                                           "do not pair up (a wrong peer, or a message one side never posts)")
@@ -292,12 +315,14 @@ def _hang_or_error(results):
 def check_collective(folder, ops, worlds):
     lines = []
     for world in worlds:
-        results, why = _launch(_collective_job, world, folder, ops, COLLECTIVE_TIMEOUT_S)
+        results, why = _launch(_collective_job, world, folder, ops, COLLECTIVE_TIMEOUT_S, timeout=COLLECTIVE_LAUNCH_S)
+        if results is None:  # one line for the launch: each op's would say the same
+            lines.append((False, f"{', '.join(ops)}, {world} ranks: {why}"))
+            if NEVER_RETURNED in why:
+                break  # a larger world would only wait as long again
+            continue
         for op in ops:
             name = f"{op}, {world} ranks"
-            if results is None:
-                lines.append((False, f"{name}: {why}"))
-                continue
             if any("import" in r for r in results):
                 lines.append((False, f"{name}: {results[0].get('import')}"))
                 continue
@@ -375,9 +400,13 @@ def check_train(folder, module, flags, worlds, data_dir):
             lines.append((False, f"{name}: {_hang_or_error(results)}"))
             continue
         records = results[0]["records"]
-        lines.append(_compare_steps(f"{name}: loss", records, ref, "loss", lambda q: LOSS_TOL))
-        lines.append(_compare_steps(f"{name}: gradient norm before clipping", records, ref, "grad_norm",
-                                    lambda q: LOSS_TOL * max(1.0, abs(q)), "relative"))
+        found = [_compare_steps(f"{name}: loss", records, ref, "loss", lambda q: LOSS_TOL),
+                 _compare_steps(f"{name}: gradient norm before clipping", records, ref, "grad_norm",
+                                lambda q: LOSS_TOL * max(1.0, abs(q)), "relative")]
+        bad = next((i for i, (ok, _) in enumerate(found) if not ok), None)
+        if bad is not None:  # where: the bisector's first line (bench/strategies_compare.py --bisect)
+            found[bad] = (False, f"{found[bad][1]}; {where_it_differs(folder, module, args, world)}")
+        lines += found
         bad = None
         for r in records:
             want, tol = formula_bytes(module, args, world, r)
@@ -389,6 +418,15 @@ def check_train(folder, module, flags, worlds, data_dir):
                      (True, f"{name}: bytes: {sum(records[-1]['comm_bytes'])} a step in all = "
                             f"{module}.traffic_per_rank()"))
     return lines
+
+
+def where_it_differs(folder, module, args, world):
+    """The first line of bench/strategies_compare.py's bisector on the workspace's run."""
+    from bench.strategies_compare import bisect
+    try:
+        return bisect(module, args, world, folder, _moe_preset)[0]
+    except Exception as e:  # the run got through once: a second failure is worth a word, not a crash
+        return f"(the bisector could not say where: {describe(e)})"
 
 
 def _compare_steps(name, records, ref, key, tol, how=""):

@@ -20,15 +20,23 @@ Two ways in:
       job, no traceback reaching the user): each launch costs 8-20 s on 2 cores.
 Plus read_log / assert_logs_match for the per-iteration JSON logs.
 """
+import atexit
 import contextlib
+import faulthandler
 import importlib
 import io
 import json
 import multiprocessing as mp
 import os
+import queue as queues
+import re
+import shutil
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
+import time
 import traceback
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -40,8 +48,14 @@ def free_port():
         return s.getsockname()[1]
 
 
-def _rank_main(rank, world_size, port, tasks, results):
-    """One rank of a pool: joins the gloo group once, then runs jobs until told to stop."""
+def _rank_main(rank, world_size, port, tasks, results, said):
+    """One rank of a pool: joins the gloo group once, then runs jobs until told to stop. What
+    it prints to stderr goes to the file `said` (a C++ abort's last words: spawn() reads them
+    if the rank dies), and SIGUSR1 writes its threads' stacks there (spawn(), when it never returns)."""
+    fd = os.open(said, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    os.dup2(fd, 2)
+    os.close(fd)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     os.environ.update(CUDA_VISIBLE_DEVICES="", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
     if ROOT not in sys.path:
@@ -105,20 +119,90 @@ def _pool(world_size):
             _end_pool(next(iter(_pools)))  # the least recently used first
         ctx = _context()
         tasks, results = [ctx.Queue() for _ in range(world_size)], ctx.Queue()
-        port = free_port()
-        procs = [ctx.Process(target=_rank_main, args=(r, world_size, port, tasks[r], results), daemon=True)
+        port, folder = free_port(), tempfile.mkdtemp(prefix=f"ranks{world_size}_")
+        said = [os.path.join(folder, f"rank{r}.stderr") for r in range(world_size)]
+        procs = [ctx.Process(target=_rank_main, args=(r, world_size, port, tasks[r], results, said[r]), daemon=True)
                  for r in range(world_size)]
         for p in procs:
             p.start()
-        _pools[world_size] = (procs, tasks, results)
+        _pools[world_size] = (procs, tasks, results, said)
     return _pools[world_size]
 
 
 def _end_pool(world_size):
-    procs, _, _ = _pools.pop(world_size)
+    procs, _, _, said = _pools.pop(world_size)
     for p in procs:
         p.kill()
         p.join(timeout=5)
+    for path in said:
+        with contextlib.suppress(OSError):
+            os.remove(path)
+    with contextlib.suppress(OSError):
+        os.rmdir(os.path.dirname(said[0]))
+
+
+# at exit every pool goes, and the files of what its ranks said with it
+atexit.register(lambda: [_end_pool(w) for w in list(_pools)])
+
+POLL_S = 0.2  # how often spawn() looks for a rank that died instead of answering
+
+
+class RankDied(AssertionError):
+    """A rank's process ended in the middle of a job without an answer: a C++ abort (gloo's
+    size check: "op.preamble.length <= op.nbytes. 26684 vs 26680"), a signal, os._exit.
+    said: what it printed to stderr during the job."""
+
+    def __init__(self, rank, exitcode, said):
+        self.rank, self.exitcode, self.said = rank, exitcode, said
+        self.how = f"signal {signal.Signals(-exitcode).name}" if exitcode < 0 else f"exit code {exitcode}"
+        last = [line.strip() for line in said.splitlines() if line.strip()]
+        self.last = last[-1] if last else ""
+        super().__init__(f"rank {rank} died ({self.how}) in the middle of the job" + (f": {self.last}" if last else ""))
+
+
+class NeverReturned(AssertionError):
+    """Ranks that neither answered nor died by the deadline. where: rank -> its main thread's
+    innermost frame then ("file:line in function"), from the stacks SIGUSR1 makes it write."""
+
+    def __init__(self, ranks, where, timeout, errors):
+        self.ranks, self.where = ranks, where
+        at = "; ".join(f"rank {r} at {where[r]}" for r in ranks if where.get(r))
+        super().__init__(f"timeout after {timeout}s: ranks {ranks} never finished (deadlock?); errors so far: {errors}"
+                         + (f"; where: {at}" if at else ""))
+
+
+def _read_from(path, offset):
+    with contextlib.suppress(OSError), open(path, errors="replace") as f:
+        f.seek(offset)
+        return f.read()
+    return ""
+
+
+def _main_frame(stacks):
+    """The innermost frame of the thread running the job (the one whose stack holds _rank_main),
+    from faulthandler's dump: "File "...", line N in name" lines, most recent first."""
+    for block in re.split(r"\n\s*\n|\n(?=(?:Current thread|Thread) 0x)", stacks):
+        frames = re.findall(r'File "([^"]+)", line (\d+) in (\S+)', block)
+        if any(name == "_rank_main" for _, _, name in frames):
+            path, line, name = frames[0]
+            return f"{os.path.basename(path)}:{line} in {name}"
+    return ""
+
+
+def _where(procs, said, ranks):
+    sizes = {r: _size(said[r]) for r in ranks}
+    for r in ranks:
+        with contextlib.suppress(ProcessLookupError, TypeError):
+            os.kill(procs[r].pid, signal.SIGUSR1)
+    time.sleep(0.5)
+    return {r: _main_frame(_read_from(said[r], sizes[r])) for r in ranks}
+
+
+def _size(path):
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
 
 
 def spawn(fn, world_size, *args, timeout=120, fresh=False):
@@ -127,18 +211,24 @@ def spawn(fn, world_size, *args, timeout=120, fresh=False):
     unusable on purpose (a peer that never arrives leaves a receive posted)."""
     if fresh and world_size in _pools:
         _end_pool(world_size)
-    procs, tasks, queue = _pool(world_size)
+    procs, tasks, queue, said = _pool(world_size)
+    offsets = [_size(path) for path in said]  # what each rank says from here on is this job's
     for q in tasks:
         q.put((fn, args))
-    results, errors = {}, []
+    results, errors, deadline = {}, [], time.monotonic() + timeout
     try:
         for _ in range(world_size):
-            try:
-                rank, ok, value = queue.get(timeout=timeout)
-            except Exception:
-                missing = sorted(set(range(world_size)) - set(results) - {e[0] for e in errors})
-                raise AssertionError(f"timeout after {timeout}s: ranks {missing} never finished "
-                                     f"(deadlock?); errors so far: {[e[1] for e in errors]}")
+            while True:  # a rank that died will never answer: look for one between short waits
+                try:
+                    rank, ok, value = queue.get(timeout=max(0.01, min(POLL_S, deadline - time.monotonic())))
+                    break
+                except queues.Empty:
+                    missing = sorted(set(range(world_size)) - set(results) - {e[0] for e in errors})
+                    dead = [r for r in missing if procs[r].exitcode is not None]
+                    if dead:
+                        raise RankDied(dead[0], procs[dead[0]].exitcode, _read_from(said[dead[0]], offsets[dead[0]]))
+                    if time.monotonic() >= deadline:
+                        raise NeverReturned(missing, _where(procs, said, missing), timeout, [e[1] for e in errors])
             if ok:
                 results[rank] = value
             else:
@@ -287,14 +377,30 @@ def _train_quietly(rank, world_size, module, argv, setup=None):
         return importlib.import_module(module).main(argv)
 
 
+def _train_and_resume(rank, world_size, module, argv, setup, out, last):
+    """module.main(argv), checkpointing after every step, then again from `last`."""
+    saving = [f"--out_dir={out}", "--ckpt_interval=1", "--keep_ckpts=9"]
+    records = _train_quietly(rank, world_size, module, argv + saving, setup)
+    return records, _train_quietly(rank, world_size, module, argv + [f"--resume={out}/step_{last:06d}"], setup)
+
+
 def check_at_two_ranks(module, argv, reference, vocab, setup=None):
     """Each strategy file's quick check (`python -m pytest -m quick tests/test_<file>.py`):
     module.main(argv) on 2 pooled ranks against the one-process run of the same argv, its
     `reference` records: the loss at every step and the validation losses within 1e-4, and
-    the bytes of assert_sent_the_formula. The long proofs (20 steps, 3 and 4 ranks, the final
-    parameters, bf16, resume) are the rest of the file. `setup` runs first in every rank (a
-    preset to register). -> rank 0's records."""
-    records = spawn(_train_quietly, 2, module, argv, setup, timeout=300)[0]
+    the bytes of assert_sent_the_formula; and resumed from its checkpoint two steps before the
+    end, the same last two losses to the bit (parameters and Adam's moments came back). The
+    long proofs (20 steps, 3 and 4 ranks, the final parameters, bf16, resharding) are the rest
+    of the file. `setup` runs first in every rank (a preset to register). -> rank 0's records."""
+    out = tempfile.mkdtemp(prefix="quick_ckpt_")
+    try:
+        # two steps from the end: the second step's loss has seen an update by the restored Adam moments
+        last = int(next(a for a in reversed(argv) if a.startswith("--max_iters=")).split("=")[1]) - 2
+        records, resumed = spawn(_train_and_resume, 2, module, argv, setup, out, last, timeout=300)[0]
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+    assert [(r["iter"], r["loss"]) for r in resumed] == [(r["iter"], r["loss"]) for r in records[last:]], \
+        f"{module}: resumed from step {last}: {[r['loss'] for r in resumed]}, the run {[r['loss'] for r in records[last:]]}"
     assert_logs_match(records, reference, 1e-4)
     assert_logs_match([r for r in records if "val_loss" in r], [r for r in reference if "val_loss" in r],
                       1e-4, key="val_loss")

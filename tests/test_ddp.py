@@ -30,6 +30,13 @@ def _train_all(rank, world, train_args, out):
         records = ddp.main(train_args + steps + [f"--mode={mode}", f"--grad_accum={accum}", "--bucket_mb=0.5",
                                                  f"--save_path={path}"])
         results[(mode, accum)] = (records, path)
+    if world == 2:  # every rank's model from a seed of its own (a common bug): rank 0's broadcast must undo it
+        gpt = M.GPT
+        M.GPT = lambda config, seed: gpt(config, seed=seed + rank)
+        try:
+            results["per-rank seed"] = ddp.main(train_args + [f"--max_iters={SHORT_STEPS}"])
+        finally:
+            M.GPT = gpt  # a pooled rank: later jobs see the real class
     return results
 
 
@@ -38,6 +45,8 @@ def test_parity_and_traffic(world, train_args, reference, reference_short, tmp_p
     results = spawn(_train_all, world, train_args, str(tmp_path), timeout=400)[0]
     n_params = M.num_params(M.GPT(M.make_config("tiny", VOCAB, block_size=32)).parameters())
     grad_bytes = 4 * n_params
+    if world == 2:
+        assert_logs_match(results.pop("per-rank seed"), reference_short[0], 1e-4)
     for (mode, accum), (records, path) in results.items():
         ref_records, ref_state = reference if (world, mode, accum) == FULL else reference_short
         where = f"{mode}, grad_accum={accum}, {world} ranks"

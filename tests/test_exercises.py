@@ -126,7 +126,65 @@ def test_ring_written_differently_passes_and_wrong_neighbour_hangs_at_3(tmp_path
     assert at2 and all(ok for ok, _ in at2), _lines(lines, "wrong neighbour")
     first = at3[0][1]
     assert not at3[0][0] and "hung: " in first and "timed out waiting for rank" in first, first
-    assert "do not pair up" in first, first
+    assert "do not pair up" in first and "on ranks [0, 1, 2]" in first, first  # gloo's path cut, not the ranks
+
+
+# the most likely wrong answers of the two ring exercises: a chunk index off by one (sending the chunk
+# just received, not yet added to), and the all-gather that never forwards what arrived. On odd sizes a
+# send and its receive then disagree by an element, and gloo aborts the receiving rank in C++
+RING_CHUNK_OFF_BY_ONE = ("ring_reduce_scatter", "_ring_reduce_scatter",
+                         "c_send, c_recv = (me - s - 1) % n, (me - s - 2) % n",
+                         "c_send, c_recv = (me - s) % n, (me - s - 2) % n")
+RING_NOT_FORWARDED = ("ring_all_gather", "_ring_all_gather", "chunks[(me - s) % n], chunks[(me - s - 1) % n]",
+                      "chunks[me], chunks[(me - s - 1) % n]")
+
+
+def _planted(folder, bug):
+    name, fn, right, wrong = bug
+    body = _real(name, fn)
+    assert right in body
+    return _solve(folder, name, {fn: body.replace(right, wrong)})
+
+
+@pytest.mark.parametrize("bug", [RING_CHUNK_OFF_BY_ONE, RING_NOT_FORWARDED], ids=["chunk", "forward"])
+def test_ring_that_crashes_a_rank_is_one_line_in_seconds(tmp_path, bug):
+    """A rank that gloo aborts ends the check at once (the harness sees the process gone), with one
+    line naming the rank and the size mismatch in elements: not a hang until the launch's deadline."""
+    import time
+    t0 = time.monotonic()
+    lines = G.grade(bug[0], _planted(tmp_path, bug), (3,))
+    took = time.monotonic() - t0
+    [(ok, line)] = lines
+    assert not ok and "rank " in line and "crashed: a send and its receive disagree on the size, 6671 elements " \
+        "sent to it where it posted a receive of 6670" in line, line
+    assert took < 30, f"{took:.0f} s: {line}"
+
+
+def test_function_that_never_returns_is_one_line(tmp_path, monkeypatch):
+    """An endless loop in the student's function: one line for the whole exercise, saying where the
+    ranks were (the stacks SIGUSR1 makes them write), not one "deadlock?" per check and world."""
+    monkeypatch.setattr(G, "COLLECTIVE_LAUNCH_S", 3)
+    loop = _solve(tmp_path, "ring_all_gather", {"_ring_all_gather": "while True:\n    pass\n"})
+    [(ok, line)] = G.grade("ring_all_gather", loop, (2, 3))
+    assert not ok and line.startswith("all_gather, all_reduce, 2 ranks: never returned after 3 s (ranks [0, 1])"), line
+    assert "rank 0 at collectives.py:" in line and "in _ring_all_gather" in line and "deadlock" not in line, line
+
+
+def _abort_on_rank_1(rank, world):
+    if rank == 1:
+        os.abort()
+    import time
+    time.sleep(60)  # rank 0 waits, as for a message from the rank that died
+
+
+def test_harness_notices_a_rank_that_died():
+    """spawn() does not wait out its deadline for a rank that is gone: it says which, and how."""
+    import time
+    from harness import RankDied, spawn
+    t0 = time.monotonic()
+    with pytest.raises(RankDied) as e:
+        spawn(_abort_on_rank_1, 2, timeout=120)
+    assert e.value.rank == 1 and e.value.how == "signal SIGABRT" and time.monotonic() - t0 < 20, str(e.value)
 
 
 def test_schedule_that_deadlocks_fails_on_paper():
@@ -165,6 +223,8 @@ for p in params:
                                                                                      refs))
     ok, line = lines["gradient norm before clipping"]
     assert not ok and "first differs at step 0" in line, line
+    # and where, from the bisector (bench/strategies_compare.py --bisect): the first tensor, half its size
+    assert "; first difference: transformer.wte.weight's gradient" in line and "norm 0.500x" in line, line
     flat = _solve(tmp_path / "flat", "ddp_naive", {"all_reduce_each": """
 grads = [p.grad for p in params]
 flat = torch.cat([g.reshape(-1) for g in grads])
@@ -217,11 +277,13 @@ def test_fsdp_gradient_summed_and_experts_rows_unsorted_fail(refs, tmp_path):
         **{f: _real("fsdp_unit", f) for f in ("Unit.gather", "Unit.free", "add_reduced")}})
     ok, line = G.check_train(folder, "fsdp", ["--zero_stage=3"], (2,), refs)[1]
     assert not ok and "gradient norm before clipping: first differs at step 0" in line, line
+    assert "norm 2.000x the one-process run's" in line, line
     folder = _solve(tmp_path / "unsorted", "moe_dispatch_combine", {
         "ExpertParallelMoE.by_all_to_all": _real("moe_dispatch_combine", "ExpertParallelMoE.by_all_to_all"),
         "transpose_blocks": "return x"})
     ok, line = G.check_train(folder, "expert_parallel", BY_NAME["moe_dispatch_combine"].checks[0][2], (2,), refs)[0]
     assert not ok and "loss: first differs at step 0" in line, line
+    assert "; first difference: the forward, at transformer.h.0's output (its input agrees" in line, line
 
 
 def test_merge_that_forgets_the_weights_fails():

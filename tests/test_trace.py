@@ -1,11 +1,14 @@
 """--trace: every strategy at 2 ranks writes one Chrome trace that parses, has both ranks'
 rows, names its spans as the code does, and whose communication adds up to the log's
 comm_bytes, byte for byte; ddp.py's exposed_comm_ms is a span of the trace, which starts after
-backward and holds every wait. All in one launch of two ranks, 4 steps each, 2 of them traced."""
+backward and holds every wait; and the overlapped messages (DDP's buckets, FSDP's prefetched
+all-gathers, the ring's K/V hops, the mesh's dp_shard gathers and reduce-scatters) have compute
+between their issue and their wait. All in one launch of two ranks, 4 steps each, 2 traced."""
 import importlib
 import json
 import os
 import sys
+import time
 
 import pytest
 
@@ -27,19 +30,91 @@ RUNS = [("ddp overlap", "ddp", ["--bucket_mb=0.25"], ["forward", "backward", "op
         ("experts", "expert_parallel", ["--n_expert=4", "--top_k=2"],
          ["all_to_all dispatch", "all_to_all combine", "all_to_all dispatch (backward)"]),
         ("mesh tp", "parallel_nd", ["--dp_replicate=1", "--tp=2"],  # the pieces' spans, on the mesh's groups
-         ["forward mb 0", "backward mb 0", "all_reduce g (forward)", "all_reduce f (backward)"])]
+         ["forward mb 0", "backward mb 0", "all_reduce g (forward)", "all_reduce f (backward)"]),
+        ("mesh dp_shard", "parallel_nd", ["--dp_replicate=1", "--dp_shard=2"],
+         ["forward mb 0", "all_gather 1", "reduce_scatter 1"])]
 # the pipeline's messages differ by stage: rank 0 sends forward, rank 1 sends backward
 PER_RANK = {"pipeline 1f1b": (["send_forward mb 0"], ["send_backward mb 0"])}
+
+
+# Overlap is the lesson of these messages, and every other check is of results, bytes and counts:
+# a message waited for as soon as it is issued passes them all. So the traced steps also record
+# when the rank computed: each run of tensor ops on the issuing thread between two communication
+# events becomes one span named OPS. A message overlaps if such a span lies between its issue
+# (posted_us) and the start of its wait: an order of events on one thread, whatever the load.
+OPS = "ops (test)"
+# (run, the messages' name prefix, how many of a step's messages of that name may not overlap)
+OVERLAPS = [("ddp overlap", "all_reduce bucket", 1),  # the last, the embedding's, at backward's end
+            ("fsdp zero3", "all_gather", 1),  # the first is taken at once: nothing to hide it
+            ("context zigzag", "ring step 0 k/v", 0),  # at 2 ranks one K/V hop each way
+            ("mesh dp_shard", "all_gather", 3),  # the first, and the head's and the first backward unit's
+            ("mesh dp_shard", "reduce_scatter", 1)]  # the ends' (tied): sent after backward
+
+
+def _marking_ops():
+    """A dispatch mode that appends OPS spans to the trace while a step is traced (see OPS)."""
+    import collectives as C
+    import model as M
+    from torch.utils._python_dispatch import TorchDispatchMode
+    bookkeeping = {"empty", "empty_like", "empty_strided", "zeros", "zeros_like", "new_zeros", "new_empty", "clone",
+                   "copy_", "detach", "_to_copy", "resize_", "set_", "lift_fresh", "alias", "_local_scalar_dense"}
+
+    class Marks(TorchDispatchMode):
+        last = None  # (the span being extended, len(C._spans) when it began)
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            name = func.overloadpacket.__name__
+            view = any(r.alias_info is not None for r in func._schema.returns)
+            if M._tracer is not None and not view and name not in bookkeeping:
+                t, n = time.perf_counter(), len(C._spans)
+                if self.last is not None and self.last[1] == n and self.last[0] is M._tracer[0][-1]:
+                    self.last[0]["t1"] = t
+                else:
+                    span = dict(name=OPS, cat="compute", row="main", t0=t, t1=t, bytes=0)
+                    M._tracer[0].append(span)
+                    self.last = (span, n)
+            return out
+    return Marks()
+
+
+def overlapped(events, prefix):
+    """-> for each async message whose name starts with prefix, in issue order: whether an OPS span
+    lies between its issue and its wait. Messages and waits are paired by name, in order."""
+    out = []
+    posts = sorted((e for e in events if e["cat"] == "comm" and e["name"].startswith(prefix)
+                    and "posted_us" in e["args"]), key=lambda e: e["args"]["posted_us"])
+    waits = sorted((e for e in events if e["cat"] == "wait" and e["name"].startswith("wait " + prefix)),
+                   key=lambda e: e["ts"])
+    ops = [e for e in events if e["name"] == OPS]
+    for post in posts:
+        wait = next(w for w in waits if w["name"] == "wait " + post["name"] and w["ts"] >= post["args"]["posted_us"])
+        waits.remove(wait)
+        out.append(any(post["args"]["posted_us"] <= e["ts"] and e["ts"] + e["dur"] <= wait["ts"] for e in ops))
+    return out
 
 
 def _run_all(rank, world, args, out):
     import collectives as C
     import model as M
     logs = {}
-    for name, module, flags, _ in RUNS:
-        path = os.path.join(out, name.replace(" ", "_"))
-        logs[name] = importlib.import_module(module).main(
-            args + STEPS + flags + [f"--trace={path}.json", f"--log_file={path}.jsonl"])
+    begin, end, marks = M.trace_begin, M.trace_end, _marking_ops()
+
+    def traced_begin(run):
+        begin(run)
+        marks.__enter__()
+
+    def traced_end(run, it):
+        marks.__exit__(None, None, None)
+        end(run, it)
+    M.trace_begin, M.trace_end = traced_begin, traced_end  # a pooled rank: put back below
+    try:
+        for name, module, flags, _ in RUNS:
+            path = os.path.join(out, name.replace(" ", "_"))
+            logs[name] = importlib.import_module(module).main(
+                args + STEPS + flags + [f"--trace={path}.json", f"--log_file={path}.jsonl"])
+    finally:
+        M.trace_begin, M.trace_end = begin, end
     # off, nothing is timed: no clock read, no span kept
     stamp, C._stamp = C._stamp, None  # a call would raise
     try:
@@ -73,6 +148,14 @@ def test_every_strategy_traces(train_args, tmp_path):
                 assert sum(e["args"]["bytes"] for e in comm) == records[step]["comm_bytes"][r], (name, r, step)
         if name == "ddp overlap":  # async buckets: on the second row, each with its wait on the first
             assert any(e["tid"] == 1 and e["cat"] == "comm" for e in spans) and any(e["cat"] == "wait" for e in spans)
+    for name, prefix, spare in OVERLAPS:
+        spans = json.loads((tmp_path / name.replace(" ", "_")).with_suffix(".json").read_text())["traceEvents"]
+        for r in (0, 1):
+            for step in (2, 3):
+                seen = overlapped([e for e in spans if e["ph"] == "X" and e["pid"] == r and e["args"]["step"] == step],
+                                  prefix)
+                assert seen and seen.count(False) <= spare, \
+                    f"{name}, rank {r}, step {step}: {prefix} messages overlapped with compute: {seen} (want all but {spare})"
     # ddp's exposed communication: the log's interval is a span of the trace (the same two clock
     # reads), and it runs from after the end of backward to after the end of the last wait; an
     # interval from backward's start, or one without the last wait, fails the order below
