@@ -100,8 +100,8 @@ def _run_all(rank, world, args, out):
     logs = {}
     begin, end, marks = M.trace_begin, M.trace_end, _marking_ops()
 
-    def traced_begin(run):
-        begin(run)
+    def traced_begin(run, **kw):
+        begin(run, **kw)
         marks.__enter__()
 
     def traced_end(run, it):
