@@ -20,9 +20,10 @@ of work costs FLOPs / F + ops x op_s; a collective on a rank costs call_s + the 
 peers it sends to (or hears from, whichever is more) of messages x alpha + bytes / beta of
 that link, and the member that takes longest decides (docs/formulas.md's alpha-beta costs,
 counted from the trace's own messages); in a blocking collective the member that arrived last
-leaves lag_s after the others (gloo here: it stays the late one, replay()'s late()). With `cores` < ranks the ranks computing at once
-share the cores (processor sharing): a rank that waits lends its core, and an async op in
-flight (its thread copies and reduces) takes a share as a computing rank does.
+leaves lag_s after the others (gloo here: it stays the late one, replay()'s late()). With
+`cores` < ranks the ranks computing at once share the cores (processor sharing): a rank that
+waits lends its core, and an async op in flight (its thread copies and reduces) takes a share
+as a computing rank does.
 
 --check calibrates F, op_s (the compute stretches), the link (each collective's and
 message's time from its last member's arrival to its end) and lag_s on the 2-rank runs but the one it
@@ -162,12 +163,13 @@ def cluster(name, **over):
     """here: this machine (F, op_s, link: --check fits them); h100: 8 H100 a node, plan_cluster.py's
     data-sheet figures (dense bf16 peak x its eff, NVLink and a 400 Gb/s NIC a GPU, NCCL's latencies)."""
     if name == "here":
-        base = dict(flops=20e9, op_s=20e-6, call_s=100e-6, lag_s=0.0, alpha=300e-6, beta=1e9, alpha_x=300e-6, beta_x=1e9,
-                    per_node=1 << 30, cores=os.cpu_count(), peak=None)
+        base = dict(flops=20e9, op_s=20e-6, call_s=100e-6, lag_s=0.0, alpha=300e-6, beta=1e9, alpha_x=300e-6,
+                    beta_x=1e9, per_node=1 << 30, cores=os.cpu_count(), peak=None)
     elif name == "h100":
         import plan_cluster as PC
         g = PC.CLUSTERS["H100"]
-        base = dict(flops=g["peak"] * PC.EFF, op_s=0.0, call_s=PC.LAT_CALL, lag_s=0.0, alpha=PC.LAT_NVLINK, beta=g["nvlink_bw"],
+        base = dict(flops=g["peak"] * PC.EFF, op_s=0.0, call_s=PC.LAT_CALL, lag_s=0.0,
+                    alpha=PC.LAT_NVLINK, beta=g["nvlink_bw"],
                     alpha_x=PC.LAT_IB, beta_x=g["ib_bw"], per_node=g["gpus_per_node"], cores=None, peak=g["peak"])
     else:
         raise TraceError(f"unknown cluster {name!r}: here or h100")
@@ -565,7 +567,8 @@ def check(args, folder):
     here_all = calibrate(list(two.values()))
     print(f"calibrated on the {len(two)} runs at 2 ranks (each 2-rank row below on the others only): "
           f"F {here_all['flops'] / 1e9:.1f} GFLOP/s, {1e6 * here_all['op_s']:.1f} us an op, "
-          f"{1e6 * here_all['call_s']:.0f} us a call, a late member {1e6 * here_all['lag_s']:.0f} us, alpha {1e6 * here_all['alpha']:.0f} us, "
+          f"{1e6 * here_all['call_s']:.0f} us a call, a late member {1e6 * here_all['lag_s']:.0f} us, "
+          f"alpha {1e6 * here_all['alpha']:.0f} us, "
           f"beta {here_all['beta'] / 1e9:.2f} GB/s; {os.cpu_count()} cores shared, load average "
           f"{os.getloadavg()[0]:.1f} at the end")
     print(f"{'run':>21} {'ranks':>5} {'predicted ms':>12} {'measured ms':>11} {'(its steps)':>17} {'ratio':>6} "
