@@ -19,12 +19,14 @@ message's latency) and beta (bytes/s) inside a node and across, the ranks a node
 of work costs FLOPs / F + ops x op_s; a collective on a rank costs call_s + the sum over the
 peers it sends to (or hears from, whichever is more) of messages x alpha + bytes / beta of
 that link, and the member that takes longest decides (docs/formulas.md's alpha-beta costs,
-counted from the trace's own messages). With `cores` < ranks the ranks computing at once
-share the cores (processor sharing): a rank that waits lends its core, and an async op in
-flight (its thread copies and reduces) takes a share as a computing rank does.
+counted from the trace's own messages); in a blocking collective the member that arrived last
+leaves lag_s after the others (gloo here: it stays the late one, replay()'s late()). With
+`cores` < ranks the ranks computing at once share the cores (processor sharing): a rank that
+waits lends its core, and an async op in flight (its thread copies and reduces) takes a share
+as a computing rank does.
 
---check calibrates F, op_s (the compute stretches) and the link (each collective's and
-message's time from its last member's arrival to its end) on the 2-rank runs but the one it
+--check calibrates F, op_s (the compute stretches), the link (each collective's and
+message's time from its last member's arrival to its end) and lag_s on the 2-rank runs but the one it
 predicts (leave one out), and predicts the 4-rank runs from all of them, the cores shared.
 --what_if traces at a model's depth and a small width, then scales (scale()): each stretch's
 FLOPs by the model formula's ratio, DDP's and FSDP's messages by the parameter ratio, the
@@ -161,12 +163,13 @@ def cluster(name, **over):
     """here: this machine (F, op_s, link: --check fits them); h100: 8 H100 a node, plan_cluster.py's
     data-sheet figures (dense bf16 peak x its eff, NVLink and a 400 Gb/s NIC a GPU, NCCL's latencies)."""
     if name == "here":
-        base = dict(flops=20e9, op_s=20e-6, call_s=100e-6, alpha=300e-6, beta=1e9, alpha_x=300e-6, beta_x=1e9,
-                    per_node=1 << 30, cores=os.cpu_count(), peak=None)
+        base = dict(flops=20e9, op_s=20e-6, call_s=100e-6, lag_s=0.0, alpha=300e-6, beta=1e9, alpha_x=300e-6,
+                    beta_x=1e9, per_node=1 << 30, cores=os.cpu_count(), peak=None)
     elif name == "h100":
         import plan_cluster as PC
         g = PC.CLUSTERS["H100"]
-        base = dict(flops=g["peak"] * PC.EFF, op_s=0.0, call_s=PC.LAT_CALL, alpha=PC.LAT_NVLINK, beta=g["nvlink_bw"],
+        base = dict(flops=g["peak"] * PC.EFF, op_s=0.0, call_s=PC.LAT_CALL, lag_s=0.0,
+                    alpha=PC.LAT_NVLINK, beta=g["nvlink_bw"],
                     alpha_x=PC.LAT_IB, beta_x=g["ib_bw"], per_node=g["gpus_per_node"], cores=None, peak=g["peak"])
     else:
         raise TraceError(f"unknown cluster {name!r}: here or h100")
@@ -253,6 +256,14 @@ def replay(progs, cl, flop_scale=1.0, byte_scale=1.0):
     pending = []  # ops issued and not yet ended
     dated = []    # async ops whose start and end are known (they share the cores on a CPU)
 
+    def late(key, r):
+        """Measured here (gloo, 2 cores; lag_samples()): in a blocking collective the member that
+        arrives last leaves lag_s after the others, so it arrives last again at the next one, and
+        every blocking collective of a step costs lag_s (an async op's members, and a message's
+        two ends, leave together). Arrivals are never equal on a real machine: a tie goes to the
+        highest rank."""
+        return max(arrive[key], key=lambda m: (arrive[key][m], m)) == r
+
     def settle():
         """Date what the issued ops now allow: an op is ready once its group's previous op on the
         rank has ended (the worker's FIFO); a match ends once every member is ready."""
@@ -277,6 +288,8 @@ def replay(progs, cl, flop_scale=1.0, byte_scale=1.0):
                             ends[key] = max(arrive[key].values()) + max(cost[key].values())
                 if op["ready"] is not None and all(k in ends for k in op["keys"]):
                     op["end"] = max(ends[k] for k in op["keys"]) if op["keys"] else op["ready"] + cl["call_s"]
+                    if op["row"] == 0 and op["op"] not in P2P and any(late(k, r) for k in op["keys"]):
+                        op["end"] += cl.get("lag_s", 0.0)  # the late member of a blocking collective (late())
                     if op["row"] == 1:
                         dated.append(op)
                     out[r]["spans"].append((op["ready"], op["end"] - op["ready"], "comm", op["name"], op["row"]))
@@ -422,6 +435,21 @@ def link_samples(progs, measured):
             if min(s["t1"]) > max(s["t0"])]
 
 
+def lag_samples(progs):
+    """(seconds,) of every blocking collective whose members did not arrive at once: how much
+    later than the first member to leave the last one to arrive left (replay's late())."""
+    instances(progs)
+    got = {}
+    for prog in progs:
+        for kind, *rest in prog:
+            if kind == "sync" and rest[0]["op"] not in P2P:
+                e = rest[0]["event"]
+                for key in rest[0]["keys"]:
+                    got.setdefault(key, []).append((e["ts"], e["ts"] + e["dur"]))
+    return [((max(m)[1] - min(t1 for _, t1 in m)) / 1e6,) for m in got.values()
+            if len(m) > 1 and max(m)[0] > min(m)[0]]
+
+
 def nonneg_fit(rows):
     """Least squares of the last column on the others, no coefficient below zero (drop, refit)."""
     import numpy as np
@@ -441,25 +469,28 @@ def samples(trace):
     """-> (compute stretches, link samples) of a trace, each the median of its traced steps (the same
     program every step, item by item), as the measured step is their median: a rank descheduled by
     other work in one step moves neither."""
-    comp, wire = [], []
+    comp, wire, lag = [], [], []
     for step in timed_steps(trace):
         _, progs, meas = programs(trace, step)
         comp.append(stretches(progs, meas))
         wire.append(link_samples(progs, meas))
+        lag.append(lag_samples(progs))
     middle = [[(*rows[0][:-1], statistics.median(x[-1] for x in rows)) for rows in zip(*every)]
               for every in (comp, wire) if all(len(rows) == len(every[0]) for rows in every)]
     if len(middle) < 2:  # steps that differ (a run whose program changes): every sample as it is
         middle = [sum(comp, []), sum(wire, [])]
-    return middle
+    return middle + [sum(lag, [])]  # which member is late changes from step to step: all of them
 
 
 def calibrate(runs):
-    """F, op_s from the compute stretches; call_s, alpha and 1/beta from the ops' times.
-    runs: samples() of each trace."""
-    inv_f, op_s = nonneg_fit([row for comp, _ in runs for row in comp])
-    call_s, alpha, inv_beta = nonneg_fit([(1.0, *row) for _, wire in runs for row in wire])
+    """F, op_s from the compute stretches; call_s, alpha and 1/beta from the ops' times; lag_s,
+    the mean lag of a blocking collective's late member. runs: samples() of each trace."""
+    inv_f, op_s = nonneg_fit([row for comp, _, _ in runs for row in comp])
+    call_s, alpha, inv_beta = nonneg_fit([(1.0, *row) for _, wire, _ in runs for row in wire])
+    lags = [row[0] for _, _, lag in runs for row in lag]
     beta = 1 / inv_beta if inv_beta > 0 else 1e12
     return dict(flops=1 / inv_f if inv_f > 0 else 1e15, op_s=op_s, call_s=call_s, alpha=alpha, beta=beta,
+                lag_s=max(0.0, statistics.mean(lags)) if lags else 0.0,
                 alpha_x=alpha, beta_x=beta)
 
 
@@ -536,7 +567,8 @@ def check(args, folder):
     here_all = calibrate(list(two.values()))
     print(f"calibrated on the {len(two)} runs at 2 ranks (each 2-rank row below on the others only): "
           f"F {here_all['flops'] / 1e9:.1f} GFLOP/s, {1e6 * here_all['op_s']:.1f} us an op, "
-          f"{1e6 * here_all['call_s']:.0f} us a call, alpha {1e6 * here_all['alpha']:.0f} us, "
+          f"{1e6 * here_all['call_s']:.0f} us a call, a late member {1e6 * here_all['lag_s']:.0f} us, "
+          f"alpha {1e6 * here_all['alpha']:.0f} us, "
           f"beta {here_all['beta'] / 1e9:.2f} GB/s; {os.cpu_count()} cores shared, load average "
           f"{os.getloadavg()[0]:.1f} at the end")
     print(f"{'run':>21} {'ranks':>5} {'predicted ms':>12} {'measured ms':>11} {'(its steps)':>17} {'ratio':>6} "

@@ -73,6 +73,16 @@ def test_a_collective_waits_for_its_last_member():
     assert row["busy_s"] == pytest.approx([1.0, 3.0])
 
 
+def test_the_late_member_of_a_blocking_collective_stays_late():
+    """lag_s (measured here: gloo's late member leaves after the others): equal ranks, three all-reduces
+    of 1000 bytes (2 ms each): the highest rank leaves each 1 ms late, so it is late at the next too."""
+    ar = ("sync", "all_reduce", [0, 1])
+    t = trace([[("compute", 1e6), ar + ({1 - r: 1000},)] * 3 for r in range(2)])
+    row = step_of(t, lag_s=1e-3)
+    assert row["step_s"] == pytest.approx(3 * (1e-3 + 2e-3) + 3e-3)
+    assert row["exposed_s"] == pytest.approx([3 * 2e-3 + 2e-3, 3 * 2e-3 + 3e-3])
+
+
 @pytest.mark.quick
 def test_an_async_op_runs_beside_the_compute_it_overlaps():
     """Post a 1 s all-reduce, compute 2 s, wait: hidden (2 s); compute 0.5 s instead: 1 s, 0.5 of it exposed."""
