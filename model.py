@@ -1201,6 +1201,15 @@ def elapsed(t0, t1):
 _tracer = None  # while a traced step runs: (its compute spans, the device, the clock's base, the _Count)
 
 
+# The CPU's attention kernels are not in torch's FLOP registry: registered as its CUDA ones count
+# (q, k, v; the backward's grad first), once however many copies of this file are imported.
+for _op, _formula, _n in ((torch.ops.aten._scaled_dot_product_flash_attention_for_cpu, flop_counter.sdpa_flop_count, 3),
+                          (torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward,
+                           flop_counter.sdpa_backward_flop_count, 4)):
+    if _op not in flop_counter.flop_registry:
+        flop_counter.register_flop_formula(_op)(lambda *shapes, out_shape=None, f=_formula, n=_n, **kw: f(*shapes[:n]))
+
+
 class _Count(TorchDispatchMode):
     """The ops this thread dispatches and their FLOPs, as torch's flop counter counts them
     (matmuls and attention; the elementwise rest costs ops, not FLOPs). Thread-local: the
@@ -1208,10 +1217,6 @@ class _Count(TorchDispatchMode):
     stamp [its number on this rank, FLOPs so far, ops so far]; the numbers are the issue order.
     Counting costs a Python call an op (a third of tiny's step on a CPU), so only the first
     traced step counts (its program is every step's): the others stamp [number, None, None]."""
-    SDPA_CPU = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: flop_counter.sdpa_flop_count,
-                torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward:
-                    flop_counter.sdpa_backward_flop_count}  # not in torch's registry: q, k, v (grad first)
-
     def __init__(self, counting):
         super().__init__()
         self.seq = self.flops = self.ops = 0
@@ -1224,9 +1229,6 @@ class _Count(TorchDispatchMode):
         packet = func._overloadpacket
         if packet in flop_counter.flop_registry:
             self.flops += flop_counter.flop_registry[packet](*args, **kwargs, out_val=out)
-        elif packet in self.SDPA_CPU:
-            n = 4 if packet is torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward else 3
-            self.flops += self.SDPA_CPU[packet](*(a.shape for a in args[:n]))
         return out
 
     def __call__(self):
