@@ -8,7 +8,7 @@ Attention with Blockwise Transformers for Near-Infinite Context", 2023).
     python context_parallel.py                                  # one process: a ring of one
     torchrun --nproc_per_node=2 context_parallel.py             # two ranks (CPU processes over gloo, or GPUs over NCCL)
     torchrun --nproc_per_node=4 context_parallel.py --block_size=4096 --layout=contiguous
-    torchrun --nproc_per_node=4 context_parallel.py --method=ulysses  # all-to-all instead of the ring
+    torchrun --nproc_per_node=4 context_parallel.py --attention=ulysses  # all-to-all instead of the ring
 
 What it splits. Everything in a block but attention treats each position alone (the
 embeddings, with GLOBAL positions, the LayerNorms, the MLP, the residual adds, the head
@@ -28,7 +28,7 @@ and Adam state per rank, as in DDP), so their gradients are averaged once a step
 the log's attn_ms and attn_wait_ms show it, act_bytes the 1/N. traffic_per_rank() has
 the bytes.
 
---method=ulysses (DeepSpeed-Ulysses) sends heads instead of keys: an all-to-all before
+--attention=ulysses (DeepSpeed-Ulysses) sends heads instead of keys: an all-to-all before
 attention gives each rank every position of H/N heads, one after it gives the positions
 back (see ulysses_attention()). Fewer bytes than the ring, none of them hidden behind
 compute, and the heads must divide into N.
@@ -43,7 +43,7 @@ import torch
 import collectives as C
 import model as M
 
-DEFAULTS = dict(M.TRAIN_DEFAULTS, layout="zigzag", method="ring")
+DEFAULTS = dict(M.TRAIN_DEFAULTS, layout="zigzag", attention="ring")
 LAYOUTS = ("contiguous", "zigzag")
 METHODS = ("ring", "ulysses")
 
@@ -331,12 +331,12 @@ ATTENTION = dict(ring=ring_attention, ulysses=ulysses_attention)
 # the model on a rank's positions
 
 
-def use_ring(model, ring, clock=None, method="ring"):
+def use_ring(model, ring, clock=None, attention="ring"):
     """Point every block's attention at the ring: model.CausalSelfAttention runs as it is
     (c_attn, the heads, c_proj) and its attend() hook, SDPA in one process, becomes
-    ring attention over every rank's keys (method="ulysses": the all-to-alls around SDPA)."""
+    ring attention over every rank's keys (attention="ulysses": the all-to-alls around SDPA)."""
     for block in model.transformer.h:
-        block.attn.attend = functools.partial(ATTENTION[method], ring=ring, clock=clock)
+        block.attn.attend = functools.partial(ATTENTION[attention], ring=ring, clock=clock)
 
 
 def forward(model, idx, targets, pos, recompute="none"):
@@ -365,16 +365,16 @@ def main(argv=None):
     cfg = M.parse_args(DEFAULTS, argv, __doc__)
     if cfg.layout not in LAYOUTS:
         M.die(f"--layout takes contiguous or zigzag, not {cfg.layout!r}")
-    if cfg.method not in METHODS:
-        M.die(f"--method takes ring or ulysses, not {cfg.method!r}")
+    if cfg.attention not in METHODS:
+        M.die(f"--attention takes ring or ulysses, not {cfg.attention!r}")
     if cfg.dropout:
         M.die("context_parallel.py needs --dropout=0: the ring's hand-written attention backward recomputes "
               "the attention weights and would need forward's random masks (ulysses keeps to the same model)")
     run = M.start(cfg, "context_parallel")
     rank, world, device, config = run.rank, run.world, run.device, run.config
-    if cfg.method == "ulysses" and config.n_head % world:
-        M.die(f"--method=ulysses splits the {config.n_head} heads over the ranks: {world} ranks do not divide them "
-              f"(--method=ring does not need it)")
+    if cfg.attention == "ulysses" and config.n_head % world:
+        M.die(f"--attention=ulysses splits the {config.n_head} heads over the ranks: {world} ranks do not divide them "
+              f"(--attention=ring does not need it)")
     parts = world * (2 if cfg.layout == "zigzag" else 1)
     if config.block_size % parts:
         M.die(f"--block_size={config.block_size} does not divide into {parts} equal parts "
@@ -385,7 +385,7 @@ def main(argv=None):
 
     # the weights are replicated, as in DDP: the same seed everywhere, made sure by a broadcast
     model = M.GPT(config, seed=cfg.seed).to(device)
-    use_ring(model, ring, clock, cfg.method)
+    use_ring(model, ring, clock, cfg.attention)
     params = list(model.parameters())  # the tied matrix once
     for t in params + list(model.buffers()):
         C.broadcast(t.data, src=C.group_ranks(group)[0], group=group)
@@ -394,7 +394,7 @@ def main(argv=None):
     M.restore(run, [(n, p, None, rank == 0) for n, p in model.named_parameters()], optimizer)
     step_forward = torch.compile(forward) if cfg.compile else forward
     if rank == 0:
-        print(f"context_parallel: {world} rank{'s' * (world > 1)}, {cfg.method}, {cfg.layout} layout, "
+        print(f"context_parallel: {world} rank{'s' * (world > 1)}, {cfg.attention}, {cfg.layout} layout, "
               f"{M.param_count(config) / 1e6:.2f}M parameters, "
               f"{cfg.batch_size} x {config.block_size // world} tokens per rank "
               f"({config.block_size} per sequence)", flush=True)
@@ -474,7 +474,7 @@ def activation_per_rank(config, cfg, world):
     """The bytes autograd keeps between forward and backward on a rank (the log's act_bytes):
     every activation is per position, so a rank keeps what one process keeps for sequences
     of s/N positions (model.activation_bytes and ends_bytes; the ring keeps its output in
-    its own order besides c_proj's copy). --method=ulysses keeps the same: its attention is
+    its own order besides c_proj's copy). --attention=ulysses keeps the same: its attention is
     the ring's on a ring of one, over H/N heads of s positions instead of H of s/N."""
     d = 2 if cfg.dtype == "bfloat16" else 4
     n, s = cfg.batch_size * config.block_size // world, config.block_size // world
@@ -514,7 +514,7 @@ def traffic_per_rank(config, cfg, world):
     a = 2 if cfg.dtype == "bfloat16" else 4
     passes = 2 if getattr(cfg, "recompute", "none") == "full" else 1  # full: backward reruns forward
     block = 2 * b * (s // world) * h  # K and V, every row and head, of one rank's positions
-    if getattr(cfg, "method", "ring") == "ulysses":
+    if getattr(cfg, "attention", "ring") == "ulysses":
         piece = b * (s // world) * (h // world)  # one tensor's share for one other rank: my positions, its heads
         attention = L * (world - 1) * 4 * piece * a * (passes + 1)
     else:

@@ -4,23 +4,23 @@ global batch, and the gradients are averaged before the optimizer step.
 
     python ddp.py                                 # one process: the reference run
     torchrun --nproc_per_node=2 ddp.py            # two ranks (CPU processes over gloo, or GPUs over NCCL)
-    torchrun --nproc_per_node=8 ddp.py --model=gpt2 --batch_size=64 --grad_accum=4
+    torchrun --nproc_per_node=8 ddp.py --model=gpt2 --batch_size=64 --n_micro=4
 
 What it sends: one all-reduce of the gradients per optimizer step. A ring
 all-reduce of S bytes makes every rank send 2(N-1)/N·S, so the traffic per rank
 is about twice the model's gradient bytes whatever N is; what N changes is how
-long it takes, and whether backward can hide it. --mode picks one of the three
+long it takes, and whether backward can hide it. Two flags pick one of the three
 stages of DDP, so the difference can be measured:
 
-  naive     after backward, one all-reduce per parameter: many small messages,
-            each paying the latency α, and none of them overlapping compute
-  bucketed  gradients live in flat buckets of --bucket_mb, in reverse parameter
-            order; after backward, one all-reduce per bucket: few large messages
-  overlap   (default) each bucket's all-reduce starts asynchronously the moment
-            its last gradient is ready, while backward goes on computing the
+  --bucket_mb=0 --overlap=False   naive: after backward, one all-reduce per parameter:
+            many small messages, each paying the latency α, none overlapping compute
+  --overlap=False                 bucketed: gradients live in flat buckets of --bucket_mb,
+            in reverse parameter order; after backward, one all-reduce per bucket
+  (the default)                   overlapped: each bucket's all-reduce starts asynchronously
+            the moment its last gradient is ready, while backward goes on computing the
             gradients of earlier layers; the step waits for them at the end
 
---grad_accum=k runs k micro-steps per optimizer step and communicates only after
+--n_micro=k runs k micro-steps per optimizer step and communicates only after
 the last: the same bytes per step, k times the tokens.
 
 --n_expert=E trains model.py's mixture of experts with every expert replicated;
@@ -32,7 +32,12 @@ import torch
 import collectives as C
 import model as M
 
-DEFAULTS = dict(M.TRAIN_DEFAULTS, mode="overlap", bucket_mb=25.0, grad_accum=1)
+DEFAULTS = dict(
+    M.TRAIN_DEFAULTS,
+    overlap=True,           # launch each bucket's all-reduce from backward's hooks (False: after backward)
+    bucket_mb=25.0,         # gradient bucket size; 0: no buckets, one all-reduce per parameter
+    n_micro=1,              # micro-batches per optimizer step (gradient accumulation)
+)
 
 
 def all_reduce_each(params, group=None):
@@ -156,7 +161,7 @@ class GradBuckets:
 def compile_blocks(model, **options):
     """torch.compile each block on its own, in place, and the head with its loss. Compiled
     whole, the model's backward is one autograd node: every gradient appears at its very
-    end, and no bucket can be launched while backward still runs (--mode=overlap would be
+    end, and no bucket can be launched while backward still runs (--overlap would be
     bucketed). One graph per block gives backward one node per block, so each block's
     gradients are ready, and their bucket can be sent, while the blocks before it are still
     differentiated (PyTorch's DDP splits its graph at bucket boundaries for this reason;
@@ -182,14 +187,12 @@ def compile_blocks(model, **options):
 
 def main(argv=None):
     cfg = M.parse_args(DEFAULTS, argv, __doc__)
-    if cfg.mode not in ("naive", "bucketed", "overlap"):
-        M.die(f"--mode takes naive, bucketed or overlap, not {cfg.mode!r}")
-    if cfg.grad_accum < 1 or cfg.bucket_mb <= 0:
-        M.die("--grad_accum must be at least 1 and --bucket_mb positive")
+    if cfg.n_micro < 1 or cfg.bucket_mb < 0:
+        M.die("--n_micro must be at least 1 and --bucket_mb at least 0")
     run = M.start(cfg, "ddp", moe=True)
     rank, world, device, config = run.rank, run.world, run.device, run.config
-    if cfg.batch_size % (world * cfg.grad_accum):
-        M.die(f"--batch_size={cfg.batch_size} does not divide into {world} rank{'s' * (world > 1)} x {cfg.grad_accum} micro-steps")
+    if cfg.batch_size % (world * cfg.n_micro):
+        M.die(f"--batch_size={cfg.batch_size} does not divide into {world} rank{'s' * (world > 1)} x {cfg.n_micro} micro-steps")
     if config.capacity_factor and world > 1:  # GShard's drop rule needs the routing of every rank's rows
         M.die("--capacity_factor needs the whole micro-batch's routing, which ddp.py's ranks don't share: "
               "use expert_parallel.py, or one process")
@@ -204,25 +207,25 @@ def main(argv=None):
         for t in params + list(model.buffers()):
             C.broadcast(t.data, src=0, group=group)
     # one process: nothing to average, so no buckets, no hooks, no collective at all
-    buckets = GradBuckets(params, cfg.bucket_mb, cfg.mode == "overlap", group) \
-        if world > 1 and cfg.mode != "naive" else None
+    naive = cfg.bucket_mb == 0 and not cfg.overlap  # all_reduce_each after backward
+    buckets = GradBuckets(params, cfg.bucket_mb, cfg.overlap, group) if world > 1 and not naive else None
     optimizer = M.make_optimizer(model.named_parameters(), cfg, device)
     # a checkpoint holds every tensor once: rank 0 writes, every rank reads
     M.restore(run, [(n, p, None, rank == 0) for n, p in model.named_parameters()], optimizer)
     step_model = compile_blocks(model) if cfg.compile else model
     if rank == 0:
-        print(f"ddp: {world} rank{'s' * (world > 1)}, mode {cfg.mode}, {M.param_count(config) / 1e6:.2f}M parameters, "
+        print(f"ddp: {world} rank{'s' * (world > 1)}, {'naive' if naive else 'overlapped' if cfg.overlap else 'bucketed'}, {M.param_count(config) / 1e6:.2f}M parameters, "
               f"{len(buckets.buffers) if buckets else 'no'} bucket{'' if buckets and len(buckets.buffers) == 1 else 's'}, "
-              f"{cfg.batch_size // (world * cfg.grad_accum)} x {config.block_size} tokens per rank per micro-step")
+              f"{cfg.batch_size // (world * cfg.n_micro)} x {config.block_size} tokens per rank per micro-step")
 
     @torch.no_grad()
     def evaluate():
         model.eval()
-        losses = torch.zeros(cfg.eval_iters, cfg.grad_accum, device=device)
+        losses = torch.zeros(cfg.eval_iters, cfg.n_micro, device=device)
         for k in range(cfg.eval_iters):
-            for m in range(cfg.grad_accum):  # the same rows as a training step: the whole global batch
+            for m in range(cfg.n_micro):  # the same rows as a training step: the whole global batch
                 with run.autocast:
-                    losses[k, m] = step_model(*M.batch(run, k, "val", m, cfg.grad_accum, rank, world))[1]
+                    losses[k, m] = step_model(*M.batch(run, k, "val", m, cfg.n_micro, rank, world))[1]
         model.train()
         if world > 1:
             with C.untracked():  # bookkeeping, not training traffic
@@ -237,18 +240,18 @@ def main(argv=None):
         else:
             optimizer.zero_grad(set_to_none=True)
         loss, act = torch.zeros((), device=device), 0
-        for m in range(cfg.grad_accum):
+        for m in range(cfg.n_micro):
             if buckets:  # communicate only after the last micro-step: one all-reduce serves them all
-                buckets.sync = m == cfg.grad_accum - 1
-            x, y = M.batch(run, it, "train", m, cfg.grad_accum, rank, world)
+                buckets.sync = m == cfg.n_micro - 1
+            x, y = M.batch(run, it, "train", m, cfg.n_micro, rank, world)
             counting, saved = M.saved_bytes(params, on=not cfg.compile)
             with M.span("forward"), run.autocast, counting:
                 _, micro_loss = step_model(x, y)
             act = max(act, sum(saved.values()))  # what this micro-step's backward will read
             # the mean over the global batch; plus, with --n_expert, the load-balancing loss (0.0 if dense)
             with M.span("backward"):
-                ((micro_loss + M.moe_loss(model)) / cfg.grad_accum).backward()
-            loss += micro_loss.detach() / cfg.grad_accum
+                ((micro_loss + M.moe_loss(model)) / cfg.n_micro).backward()
+            loss += micro_loss.detach() / cfg.n_micro
         t_comm = M.now(device)
         if buckets:
             buckets.reduce()
@@ -272,7 +275,7 @@ def main(argv=None):
 def traffic_per_rank(config, cfg, world):
     """Bytes a rank sends per optimizer step: one ring all-reduce of every gradient,
     2(N-1)/N of the gradient bytes (on average over ranks when chunks are uneven),
-    whatever --grad_accum is, since the micro-steps before the last don't communicate."""
+    whatever --n_micro is, since the micro-steps before the last don't communicate."""
     return 2 * (world - 1) / world * 4 * M.param_count(config)
 
 

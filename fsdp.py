@@ -37,7 +37,7 @@ import torch.nn as nn
 import collectives as C
 import model as M
 
-DEFAULTS = dict(M.TRAIN_DEFAULTS, zero_stage=3, prefetch=1, grad_accum=1)
+DEFAULTS = dict(M.TRAIN_DEFAULTS, zero_stage=3, prefetch=1, n_micro=1)
 
 
 @dataclass
@@ -279,7 +279,7 @@ def zero3_forward(net, idx, gathers, kept=None):
 
 def zero3_micro_step(net, x, y, scale):
     """One micro-batch forward and backward; every unit's gradient ends up reduce-scattered
-    into its gradient shard. scale: 1/grad_accum, so the shards sum to the mean.
+    into its gradient shard. scale: 1/n_micro, so the shards sum to the mean.
     -> (the loss, the bytes kept for backward at the head's backward)"""
     ends, blocks = net.units[0], net.units[1:]
     gathers = Gathers([ends, *blocks, ends, *reversed(blocks)], net.prefetch)  # the order the units compute in
@@ -316,7 +316,7 @@ def zero3_micro_step(net, x, y, scale):
 
 def zero3_step(net, run, it):
     """The gradients of one optimizer step, reduce-scattered into the units' gradient shards. -> the loss"""
-    accum = run.cfg.grad_accum
+    accum = run.cfg.n_micro
     loss, act = torch.zeros((), device=run.device), 0
     for m in range(accum):
         x, y = M.batch(run, it, "train", m, accum, C.get_rank(net.group), C.get_world_size(net.group))
@@ -396,7 +396,7 @@ def accumulate(net, u, grads, reducing):
 
 def zero12_step(net, run, it):
     """The gradients of one optimizer step, reduce-scattered into the units' gradient shards. -> the loss"""
-    accum = run.cfg.grad_accum
+    accum = run.cfg.n_micro
     for u in net.units:
         for t in u.full_grad:
             t.zero_()
@@ -405,7 +405,7 @@ def zero12_step(net, run, it):
         x, y = M.batch(run, it, "train", m, accum, C.get_rank(net.group), C.get_world_size(net.group))
         micro_loss, micro_act = zero12_micro_step(net, x, y, 1.0 / accum)
         loss, act = loss + micro_loss / accum, max(act, micro_act)
-    if net.stage == 1:  # one reduce-scatter a unit per step, whatever grad_accum is
+    if net.stage == 1:  # one reduce-scatter a unit per step, whatever n_micro is
         reducing = None
         for u in net.units:
             add_reduced(reducing, replace=True)
@@ -490,14 +490,14 @@ def main(argv=None):
     cfg = M.parse_args(DEFAULTS, argv, __doc__)
     if cfg.zero_stage not in (1, 2, 3):
         M.die(f"--zero_stage takes 1, 2 or 3, not {cfg.zero_stage}")
-    if cfg.prefetch < 0 or cfg.grad_accum < 1:
-        M.die("--prefetch must be at least 0 and --grad_accum at least 1")
+    if cfg.prefetch < 0 or cfg.n_micro < 1:
+        M.die("--prefetch must be at least 0 and --n_micro at least 1")
     if cfg.dropout:
         M.die("fsdp.py needs --dropout=0: backward recomputes the blocks and would need forward's random masks")
     run = M.start(cfg, "fsdp")
     rank, world, device, config = run.rank, run.world, run.device, run.config
-    if cfg.batch_size % (world * cfg.grad_accum):
-        M.die(f"--batch_size={cfg.batch_size} does not divide into {world} rank{'s' * (world > 1)} x {cfg.grad_accum} micro-steps")
+    if cfg.batch_size % (world * cfg.n_micro):
+        M.die(f"--batch_size={cfg.batch_size} does not divide into {world} rank{'s' * (world > 1)} x {cfg.n_micro} micro-steps")
     group = None  # the whole world; parallel_nd.py runs the same pieces on a sub-group
     stage = cfg.zero_stage
 
@@ -518,15 +518,15 @@ def main(argv=None):
         shard = sum(size for u in units for *_, size in u.parts)
         print(f"fsdp: {world} rank{'s' * (world > 1)}, ZeRO-{stage}, prefetch {cfg.prefetch}, {n_params / 1e6:.2f}M parameters "
               f"in {len(units)} units, {shard / 1e6:.2f}M per rank ({shard * world - n_params} padding), "
-              f"{cfg.batch_size // (world * cfg.grad_accum)} x {config.block_size} tokens per rank per micro-step")
+              f"{cfg.batch_size // (world * cfg.n_micro)} x {config.block_size} tokens per rank per micro-step")
 
     @torch.no_grad()
     def evaluate():
-        losses = torch.zeros(cfg.eval_iters, cfg.grad_accum, device=device)
+        losses = torch.zeros(cfg.eval_iters, cfg.n_micro, device=device)
         with C.untracked():  # evaluation's gathers and the loss average are not training traffic
             for k in range(cfg.eval_iters):
-                for m in range(cfg.grad_accum):  # the same rows as a training step: the whole global batch
-                    x, y = M.batch(run, k, "val", m, cfg.grad_accum, C.get_rank(group), C.get_world_size(group))
+                for m in range(cfg.n_micro):  # the same rows as a training step: the whole global batch
+                    x, y = M.batch(run, k, "val", m, cfg.n_micro, C.get_rank(group), C.get_world_size(group))
                     losses[k, m] = zero3_loss(net, x, y) if stage == 3 else zero12_loss(net, x, y)
             C.all_reduce(losses, op="avg", group=group)
         return losses.mean().item()
@@ -599,16 +599,16 @@ def traffic_per_rank(config, cfg, world):
     reduce-scatter of S bytes makes each rank send (N-1)/N·S: N-1 steps, each a 1/N chunk.
     Each part of each unit, padded to a multiple of N, is
       ZeRO-3    all-gathered twice (forward, and backward's recompute) and reduce-scattered
-                once per micro-step: 3(N-1)/N · 4Ψ · grad_accum in fp32
-      ZeRO-2    reduce-scattered per micro-step, all-gathered once a step: (grad_accum + 1)(N-1)/N · 4Ψ
+                once per micro-step: 3(N-1)/N · 4Ψ · n_micro in fp32
+      ZeRO-2    reduce-scattered per micro-step, all-gathered once a step: (n_micro + 1)(N-1)/N · 4Ψ
       ZeRO-1    reduce-scattered and all-gathered once a step: 2(N-1)/N · 4Ψ, DDP's all-reduce
     with Ψ the parameters (padded). A gather sends its part's dtype, a reduce-scatter fp32:
     in bf16, with Ψ_lo the blocks' linear parameters gathered in bf16, each gather is
-    2Ψ_lo + 4(Ψ - Ψ_lo) bytes (ZeRO-3: (N-1)/N · (2(2Ψ_lo + 4(Ψ - Ψ_lo)) + 4Ψ) · grad_accum).
+    2Ψ_lo + 4(Ψ - Ψ_lo) bytes (ZeRO-3: (N-1)/N · (2(2Ψ_lo + 4(Ψ - Ψ_lo)) + 4Ψ) · n_micro).
     Plus the gradient norm's all-reduce of one float."""
     found = unit_parts(config, cfg, world)
     gather, reduce = sum(p * b for _, p, b in found), sum(p * 4 for _, p, _ in found)
-    a = cfg.grad_accum
+    a = cfg.n_micro
     gathers, reduces = {3: (2 * a, a), 2: (1, a), 1: (1, 1)}[cfg.zero_stage]
     norm = 2 * (world - 1) / world * 4 if cfg.grad_clip else 0
     return (world - 1) / world * (gathers * gather + reduces * reduce) + norm

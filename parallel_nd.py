@@ -53,7 +53,7 @@ import tensor_parallel as TP
 
 DEFAULTS = dict(M.TRAIN_DEFAULTS, pp=1, dp_replicate=0, dp_shard=1, cp=1, tp=1, zero_stage=3,
                 layout="zigzag", schedule="1f1b", n_micro=0, virtual_stages=2, sequence_parallel=False,
-                bucket_mb=25.0, overlap=True, ep=1, dispatch="alltoall", cp_method="ring")
+                bucket_mb=25.0, overlap=True, ep=1, dispatch="alltoall", attention="ring")
 Mesh = namedtuple("Mesh", "pp dp_replicate dp_shard cp tp")  # outermost to innermost
 AXES = Mesh._fields
 CREATED = AXES[::-1]  # the order every rank creates the groups in: innermost first
@@ -173,7 +173,7 @@ class Stage(nn.Module):
     frees it there, ShardComm.done)."""
 
     def __init__(self, config, stage, n_stages, seed, group, sp, n_virtual=1, pos=None, ring=None, moe=None,
-                 cp_method="ring", schedule=None):
+                 attention="ring", schedule=None):
         super().__init__()
         self.config, self.group, self.sp, self.pos = config, group, sp, pos
         self.gather, self.done = lambda unit: None, lambda unit, x: x
@@ -187,7 +187,7 @@ class Stage(nn.Module):
              for i in self.chunks[c]})))
         if ring is not None:  # context parallel: model.py's attend() hook, as context_parallel.use_ring
             for block in self.transformer["h"].values():
-                block.attn.attend = partial(CP.ATTENTION[cp_method], ring=ring)
+                block.attn.attend = partial(CP.ATTENTION[attention], ring=ring)
         if self.first:
             emb = M.build_unit(config, "embed", seed)
             self.transformer["wte"] = TP.VocabParallelEmbedding(emb.wte, group, sp)
@@ -675,10 +675,10 @@ def layout(cfg, config, world, check=True):
         M.die(f"--tp={tp} must divide the {config.n_head} heads and the padded vocabulary ({config.vocab_size})")
     if cfg.sequence_parallel and config.block_size % tp:
         M.die(f"--sequence_parallel needs --block_size ({config.block_size}) divisible by --tp={tp}")
-    if cfg.cp_method not in CP.METHODS:
-        M.die(f"--cp_method takes ring or ulysses, not {cfg.cp_method!r}")
-    if cfg.cp_method == "ulysses" and config.n_head % (tp * cp):
-        M.die(f"--cp_method=ulysses needs --tp x --cp = {tp * cp} to divide the {config.n_head} heads")
+    if cfg.attention not in CP.METHODS:
+        M.die(f"--attention takes ring or ulysses, not {cfg.attention!r}")
+    if cfg.attention == "ulysses" and config.n_head % (tp * cp):
+        M.die(f"--attention=ulysses needs --tp x --cp = {tp * cp} to divide the {config.n_head} heads")
     parts = cp * (2 if cfg.layout == "zigzag" else 1)
     if config.block_size % parts:
         M.die(f"--cp={cp} needs --block_size ({config.block_size}) divisible into {parts} equal chunks "
@@ -736,7 +736,7 @@ def build_stage(cfg, config, mesh, me, groups, device):
         make_moe = partial(MeshMoE, mode=cfg.dispatch, wire_dtype=wire, group=groups["ep"], cp_group=groups["cp"],
                            aux_scale=config.aux_loss_coef / (config.n_layer * cfg.n_micro))
     stage = Stage(config, me.pp, mesh.pp, cfg.seed, groups["tp"], cfg.sequence_parallel, PP.virtual_stages(cfg),
-                  pos, ring, make_moe, cfg.cp_method, cfg.schedule).to(device)
+                  pos, ring, make_moe, cfg.attention, cfg.schedule).to(device)
     stage.recompute = cfg.recompute
     return stage
 
@@ -1086,7 +1086,7 @@ def axis_messages(config, cfg, mesh, routed=None):
     kv = 2 * b * s * h // tp  # K and V of one rank's positions and heads
     E, k_top, ep = config.n_expert, config.top_k, getattr(cfg, "ep", 1)  # (a plan's cfg may not say)
     alltoall = getattr(cfg, "dispatch", "alltoall") != "allgather"
-    ulysses = getattr(cfg, "cp_method", "ring") == "ulysses"  # q, k, v, out by all-to-all, and back
+    ulysses = getattr(cfg, "attention", "ring") == "ulysses"  # q, k, v, out by all-to-all, and back
     # ZeRO-3 with one micro-batch and no pipeline frees a unit after forward and gathers it again (ShardComm)
     gathers = 2 if frees_after_forward(cfg, mesh) else 1
     out = []
@@ -1156,7 +1156,7 @@ def axis_bytes(config, cfg, mesh, stage=None, routed=None):
                     same bytes, + the replicated parameters' gradients once)
       cp (stage k)  m·L_k·cp·(cp-1) hops of K, V (2·b·s·h/tp, d bytes) forward, as many
                     backward (and as many again for --recompute=full's rerun), as many of dK,
-                    dV (4 bytes) (--cp_method=ulysses instead: 4·m·L_k·cp·(cp-1) pieces of
+                    dV (4 bytes) (--attention=ulysses instead: 4·m·L_k·cp·(cp-1) pieces of
                     b·s·h/(tp·cp), d bytes, forward (q, k, v, out), as many backward, and
                     again for the rerun); + one all-reduce of the gradients
                     the rank holds (Ψ_k floats, or its P_k/S under dp_shard)

@@ -109,7 +109,7 @@ def main():
             config = M.make_config(a.model, vocab, block_size)
             one_act = None
             for world, (method, layout) in [(1, RUNS[0])] + [(int(w), r) for w in a.worlds.split(",") for r in RUNS]:
-                args = common + [f"--method={method}", f"--layout={layout}"]
+                args = common + [f"--attention={method}", f"--layout={layout}"]
                 recs, rss = launch(world, args, os.path.join(tmp, "log.jsonl"), a.timeout)
                 timed = recs[a.warmup:] or recs
                 ms = statistics.median(r["dt_ms"] for r in timed)

@@ -24,7 +24,7 @@ def run(world, mode, args, tmp):
     log = os.path.join(tmp, f"{world}_{mode}.jsonl")
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}", "ddp.py",
            f"--model={args.model}", f"--batch_size={args.batch_size}", f"--max_iters={args.iters}",
-           f"--mode={mode}", f"--bucket_mb={args.bucket_mb}", "--eval_interval=0", "--log_interval=0",
+           f"--overlap={mode == 'overlap'}", f"--bucket_mb={0 if mode == 'naive' else args.bucket_mb}", "--eval_interval=0", "--log_interval=0",
            f"--log_file={log}"] + ([f"--data_dir={args.data_dir}"] if args.data_dir else [])
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout,
                        env=dict(os.environ, OMP_NUM_THREADS="1"))

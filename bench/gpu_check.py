@@ -432,7 +432,7 @@ def child(part, device, data, out, iters):
         flags += common
         torch.backends.cuda.matmul.allow_tf32 = True  # as nanoGPT, and as model.start sets it
         torch.backends.cudnn.allow_tf32 = True
-        for key, fn in (("plain", plain_loop), ("ddp", lambda a: ddp.main(a + ["--mode=overlap"]))):
+        for key, fn in (("plain", plain_loop), ("ddp", lambda a: ddp.main(a + ["--overlap=True"]))):
             records = fn(flags)
             steady = records[len(records) // 2:]  # past compilation and warm-up
             result["runs"][key] = dict(loss=[r["loss"] for r in records],

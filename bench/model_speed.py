@@ -30,7 +30,7 @@ def main():
                 "--dtype=bfloat16"]
     else:
         args = ["--model=gpt2", "--batch_size=1", "--block_size=256", "--max_iters=4", "--dtype=float32"]
-    args += ["--eval_interval=0", "--log_interval=10", "--mode=overlap"]
+    args += ["--eval_interval=0", "--log_interval=10", "--overlap=True"]
     records = ddp.main(args + sys.argv[1:])
     steady = records[len(records) // 2:]  # past compilation and warm-up
     tps = statistics.median(r["tokens_per_s"] for r in steady)

@@ -18,10 +18,10 @@ backward's share of the 6N FLOPs a token. Measured here, in one 2-rank launch:
          just before that x's runs, while the other rank does the same (both share the
          machine, as in training); the predicted x* is where the two sides cross, read as below
   α, β   collectives.py's all_reduce between the 2 ranks at a few sizes, t = α + traffic/β
-  found  ddp.py --mode=bucketed at each x: its all-reduce time (the log's exposed_comm_ms:
+  found  ddp.py --overlap=False at each x: its all-reduce time (the log's exposed_comm_ms:
          bucketed hides nothing) against its backward (the trace's "backward" span); the
          threshold is where the two cross (crossing(): backward fitted as a fixed cost plus a
-         cost a token, since a CPU step pays per-op overhead at small x). --mode=overlap at each
+         cost a token, since a CPU step pays per-op overhead at small x). --overlap=True at each
          x too, for the picture: step time split into compute and exposed communication.
 
 fsdp.py (ZeRO-3) the same way, unless --no-fsdp: predicted from the same F, α, β and
@@ -37,7 +37,7 @@ running the script there; both curves read by crossing_loglog:
       less them, from its trace; F the whole model's at that width and batch
   pp  pipeline_parallel.py --schedule=1f1b at m micro-batches of 1 sequence: the log's
       idle_frac (mean over the stages) against the busy share, communication-bound above 1/2
-  cp  context_parallel.py --method=ring at c positions a rank of 1 sequence: the ring's hops
+  cp  context_parallel.py --attention=ring at c positions a rank of 1 sequence: the ring's hops
       (their spans in the trace) against the attention they overlap ((N-1)/N of attn_ms)
 
 The GPU rows apply the same threshold to data-sheet figures (plan_cluster.CLUSTERS) under the
@@ -213,7 +213,7 @@ def pp_threshold(config, p, rate, alpha, beta, rows, schedule="1f1b"):
 
 
 def cp_costs(config, n, rate, alpha, beta, rows, dtype="bfloat16"):
-    """context_parallel.py --method=ring at c positions per rank (block_size c·N, `rows`
+    """context_parallel.py --attention=ring at c positions per rank (block_size c·N, `rows`
     sequences) -> (the ring's hops s, the attention they overlap s): its K/V hops
     (traffic_per_rank less the gradients' all-reduce, 3 messages a layer a hop: K/V forward,
     again backward, dK/dV) against the blocks they overlap, N-1 of a rank's N a pass (one a
@@ -477,9 +477,9 @@ def measure(args, tmp):
         b = rows * args.world
         add(("rate", rows), "job_compute", args.model, args.vocab, args.block, [rows], args.reps)
         add(("ddp", rows), "job_main", "ddp", [
-            common + [f"--bucket_mb={args.bucket_mb}", f"--batch_size={b}", "--mode=bucketed",
+            common + [f"--bucket_mb={args.bucket_mb}", f"--batch_size={b}", "--overlap=False",
                       f"--trace={tmp}/b{rows}.json", traced],
-            common + [f"--bucket_mb={args.bucket_mb}", f"--batch_size={b}", "--mode=overlap"]])
+            common + [f"--bucket_mb={args.bucket_mb}", f"--batch_size={b}", "--overlap=True"]])
         if args.fsdp:  # ZeRO-3 with nothing prefetched: every gather waited for, its time in the trace
             add(("fsdp", rows), "job_main", "fsdp", [common + [f"--batch_size={b}", "--prefetch=0",
                                                                f"--trace={tmp}/f{rows}.json", traced]])
@@ -498,7 +498,7 @@ def measure(args, tmp):
     if args.cp:  # one sequence of c a rank, the ring's hops traced
         add("cp", "job_main", "context_parallel", [
             [a for a in common if "block_size" not in a] + [f"--block_size={c * args.world}", "--batch_size=1",
-                                                            "--method=ring", f"--trace={tmp}/c{c}.json", traced]
+                                                            "--attention=ring", f"--trace={tmp}/c{c}.json", traced]
             for c in args.cp_seq])
     t0 = time.time()
     got = dict(zip(keys, launch(jobs, args.world)))
@@ -672,7 +672,7 @@ def main(argv=None):
     p.add_argument("--fsdp", action=argparse.BooleanOptionalAction, default=True,
                    help="sweep fsdp.py (ZeRO-3) too (--no-fsdp: DDP alone, a third faster)")
     for name, what in (("tp", "tensor_parallel.py over the width"), ("pp", "pipeline_parallel.py over the micro-batches"),
-                       ("cp", "context_parallel.py --method=ring over the sequence")):
+                       ("cp", "context_parallel.py --attention=ring over the sequence")):
         p.add_argument(f"--{name}", action=argparse.BooleanOptionalAction, default=True, help=f"sweep {what}")
     p.add_argument("--tp_widths", type=int, nargs="+", default=[32, 64, 128, 256, 512],
                    help="hidden width per rank (n_embd / ranks), swept")
@@ -703,7 +703,7 @@ def main(argv=None):
             compute, link, sweep, other, took = measure(args, tmp)
         rates = [(x, fpt * x / (f + b)) for x, f, b in compute]
         alpha, beta = fit_link([2 * (args.world - 1) / args.world * s for s, _ in link], [t for _, t in link])
-        cfg = argparse.Namespace(grad_accum=1)
+        cfg = argparse.Namespace(n_micro=1)
         traffic = ddp.traffic_per_rank(config, cfg, args.world)
         buckets = math.ceil(4 * M.param_count(config) / (args.bucket_mb * 2**20))
         comm = buckets * alpha + traffic / beta
@@ -733,7 +733,7 @@ def main(argv=None):
         # ZeRO-3 (fsdp.py): each of the L+1 units all-gathered twice and reduce-scattered once a step,
         # which prefetching hides behind forward and backward both
         import fsdp
-        fs_traffic = fsdp.traffic_per_rank(config, argparse.Namespace(dtype="float32", zero_stage=3, grad_accum=1,
+        fs_traffic = fsdp.traffic_per_rank(config, argparse.Namespace(dtype="float32", zero_stage=3, n_micro=1,
                                                                       grad_clip=1.0), args.world)
         # α is an all-reduce's, 2(N-1) ring steps; an all-gather or a reduce-scatter takes N-1
         fs_comm = 3 * (config.n_layer + 1) * alpha / 2 + fs_traffic / beta

@@ -10,7 +10,7 @@ step and the ms/step ratio.
     torchrun --nproc_per_node=2 bench/strategies_vs_torch.py --data_dir=data/shakespeare --model=small
 
   pair      ours                                PyTorch's
-  ddp       ddp.py (--mode=overlap)             torch.nn.parallel.DistributedDataParallel
+  ddp       ddp.py (--overlap=True)             torch.nn.parallel.DistributedDataParallel
   fsdp      fsdp.py (ZeRO-3, --prefetch=1)      FSDP2: fully_shard on each block, then the root
   tensor    tensor_parallel.py                  DTensor: parallelize_module, Colwise/RowwiseParallel,
                                                 the vocabulary split (embedding and tied head) and loss_parallel
@@ -44,7 +44,7 @@ import pipeline_parallel  # noqa: E402
 import tensor_parallel  # noqa: E402
 
 PAIRS = dict(  # name: (our main, our extra flags, PyTorch's side, what it is)
-    ddp=(ddp.main, ["--mode=overlap"], "peer_ddp", "DistributedDataParallel"),
+    ddp=(ddp.main, ["--overlap=True"], "peer_ddp", "DistributedDataParallel"),
     fsdp=(fsdp.main, ["--zero_stage=3", "--prefetch=1"], "peer_fsdp", "FSDP2 fully_shard"),
     tensor=(tensor_parallel.main, [], "peer_tensor", "DTensor parallelize_module"),
     pipeline=(pipeline_parallel.main, ["--schedule=1f1b", "--n_micro=4"], "peer_pipeline", "pipelining Schedule1F1B"),

@@ -497,8 +497,8 @@ def calibrate(runs):
 # ----------------------------------------------------------------------------- the check on this machine
 
 RUNS = [  # (label, module, flags or {world: flags}): every strategy, and the pipeline's five schedules
-    ("ddp bucketed", "ddp", ["--mode=bucketed", "--bucket_mb=0.5"]),
-    ("ddp overlap", "ddp", ["--mode=overlap", "--bucket_mb=0.5"]),
+    ("ddp bucketed", "ddp", ["--overlap=False", "--bucket_mb=0.5"]),
+    ("ddp overlap", "ddp", ["--overlap=True", "--bucket_mb=0.5"]),
     ("fsdp zero3", "fsdp", []),
     ("tensor", "tensor_parallel", []),
     ("tensor sp", "tensor_parallel", ["--sequence_parallel=True"]),
@@ -628,7 +628,7 @@ TARGETS = [("GPT-2 124M", "gpt2-thin", dict(n_layer=12, n_head=12, n_embd=768, b
            ("GPT-3-like 1.7B", "1.7b-thin", dict(n_layer=24, n_head=16, n_embd=2048, block_size=4096,
                                                  vocab_size=131072), 4,
             "Megatron-Core 1.7B, 48 x H100, dp 48, 4 x 4096 a GPU: 41.0% (bench/published_runs.json)")]
-WHAT_IF_RUNS = [("ddp", "ddp", ["--mode=overlap"]), ("fsdp", "fsdp", []), ("tensor", "tensor_parallel", []),
+WHAT_IF_RUNS = [("ddp", "ddp", ["--overlap=True"]), ("fsdp", "fsdp", []), ("tensor", "tensor_parallel", []),
                 ("pipeline 1f1b", "pipeline_parallel", ["--schedule=1f1b", "--n_micro=16"]), ("context", "context_parallel", [])]
 
 

@@ -73,7 +73,7 @@ EXERCISES = [
         "must see the mean over the global batch: C.all_reduce each p.grad with op='avg' on `group` (the sum "
         "would be N times too large: AdamW hides that in the loss, the gradient norm does not). Bytes: "
         "2(N-1)/N of the gradient bytes per rank.",
-        [("train", "ddp", ["--mode=naive"])], (2, 3)),
+        [("train", "ddp", ["--bucket_mb=0", "--overlap=False"])], (2, 3)),
     Exercise(
         "ddp_buckets", "ddp.py", ["GradBuckets._ready", "GradBuckets.reduce"],
         "DDP's buckets: launch each bucket's all-reduce from backward's hooks, in the same order on every rank",
@@ -87,15 +87,15 @@ EXERCISES = [
         "hooks did not (claim their members first: a parameter unused this step never fired), wait for every "
         "handle, then reset self.handles, self.ready and self.launched; bucketed: claim each bucket's members and "
         "all-reduce its buffer now, op='avg'.",
-        [("train", "ddp", ["--mode=overlap", "--bucket_mb=0.25", "--grad_accum=2"]),
-         ("train", "ddp", ["--mode=bucketed", "--bucket_mb=0.25"])],
+        [("train", "ddp", ["--bucket_mb=0.25", "--n_micro=2"]),
+         ("train", "ddp", ["--overlap=False", "--bucket_mb=0.25"])],
         (2, 3)),
     Exercise(
         "zero1_step", "fsdp.py", ["zero12_step", "gather_full_weights"],
         "ZeRO-1: reduce-scatter the gradient, step on your shard, all-gather the weights",
         30,
         "zero12_step: zero every unit's u.full_grad, run zero12_micro_step(net, x, y, 1/accum) for each of the "
-        "run.cfg.grad_accum micro-batches (M.batch(run, it, 'train', m, accum, rank, world) on net.group) and sum "
+        "run.cfg.n_micro micro-batches (M.batch(run, it, 'train', m, accum, rank, world) on net.group) and sum "
         "the loss / accum and take the max of act. Stage 1 then reduce-scatters each unit's full gradient once "
         "(u.reduce_scatter(u.full_grad)), the next unit's starting before the previous one is added in "
         "(add_reduced(..., replace=True)). -> (loss, act). gather_full_weights: every unit all-gathers its shards "
@@ -188,7 +188,7 @@ EXERCISES = [
         "torch.argsort(order)). heads_to_seq, the inverse: take y's positions in the ranks' order (y[..., order, :]), "
         "cut them into ring.n parts (part i: rank i's positions), all-to-all, and concatenate what arrives along the "
         "heads (dim -3). Bytes: (N-1)/N of each tensor, each way.",
-        [("train", "context_parallel", ["--method=ulysses", "--layout=zigzag"])], (2,)),
+        [("train", "context_parallel", ["--attention=ulysses", "--layout=zigzag"])], (2,)),
     Exercise(
         "quorum", "fault_tolerance.py", ["commit", "recover", "send_state"],
         "fault tolerance: a step commits on every survivor or on none; the survivors re-form; a joiner gets a peer's state",

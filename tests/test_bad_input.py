@@ -124,7 +124,7 @@ def test_a_problem_one_rank_sees_is_said_by_that_rank(monkeypatch, capsys):
         M.die("no /data/train.bin", scope="node")
     assert capsys.readouterr().err == "error: rank 8: no /data/train.bin\n"
     with pytest.raises(SystemExit):
-        M.die("--mode takes naive, bucketed or overlap")
+        M.die("--overlap takes True or False")
     assert capsys.readouterr().err == ""
 
 

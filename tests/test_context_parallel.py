@@ -25,11 +25,11 @@ DTYPES = {torch.float32: 1e-5, torch.bfloat16: 5e-2}  # float32 rounding; bfloat
 # Ulysses splits the heads, so 4 of them
 SHAPES = {2: (2, 3, 28, 5), 4: (3, 3, 24, 5)}
 ULYSSES_SHAPES = {n: (b, 4, s, d) for n, (b, h, s, d) in SHAPES.items()}
-# --method=ulysses, SHORT_STEPS each (bf16: conftest's run), every recompute mode and both layouts;
+# --attention=ulysses, SHORT_STEPS each (bf16: conftest's run), every recompute mode and both layouts;
 # at 2 ranks the first also writes a checkpoint at step 2 that a run resumes
 ULYSSES = {2: {"zigzag": [], "contiguous, full": ["--layout=contiguous", "--recompute=full"], "bf16": BF16_ARGS},
            4: {"zigzag, gelu": ["--recompute=gelu"], "contiguous": ["--layout=contiguous"]}}
-# parallel_nd.py's mesh at 4 ranks, SHORT_STEPS of --cp_method=ulysses: the heads split by tp, then by cp
+# parallel_nd.py's mesh at 4 ranks, SHORT_STEPS of --attention=ulysses: the heads split by tp, then by cp
 MESHES = {"tp x cp": ["--tp=2", "--cp=2"], "dp_shard x cp": ["--dp_shard=2", "--cp=2", "--layout=contiguous"]}
 
 
@@ -86,7 +86,7 @@ def _train_all(rank, world, train_args, out):
         results[layout] = (CP.main(train_args + [f"--layout={layout}", f"--save_path={path}"] + extra), path)
     if world == 2:
         results["resumed"] = CP.main(train_args + [f"--resume={os.path.join(out, 'ckpt', f'step_{RESUME_AT:06d}')}"])
-    short = [f"--max_iters={SHORT_STEPS}", "--method=ulysses"]
+    short = [f"--max_iters={SHORT_STEPS}", "--attention=ulysses"]
     for i, (name, flags) in enumerate(ULYSSES[world].items()):
         path = os.path.join(out, f"ulysses_{i}.pt")
         ckpt = [f"--out_dir={os.path.join(out, 'ckpt_u')}", "--ckpt_interval=2"] if world == 2 and i == 0 else []
@@ -98,7 +98,7 @@ def _train_all(rank, world, train_args, out):
         import parallel_nd as P
         for name, flags in MESHES.items():
             path = os.path.join(out, f"mesh_{len(results)}.pt")
-            results["mesh", name] = (P.main(train_args + [f"--max_iters={SHORT_STEPS}", "--cp_method=ulysses"] + flags
+            results["mesh", name] = (P.main(train_args + [f"--max_iters={SHORT_STEPS}", "--attention=ulysses"] + flags
                                             + [f"--save_path={path}"]), path)
     return results
 
@@ -190,7 +190,7 @@ def test_resume_is_exact(runs):
 
 
 def test_ulysses_parity_traffic_and_resume(runs, train_args, reference_short, reference_bf16):
-    """--method=ulysses: the one-process losses and parameters in every recompute mode and both
+    """--attention=ulysses: the one-process losses and parameters in every recompute mode and both
     layouts (bf16: within bf16 rounding); exactly the formula's bytes and the ring's
     activations; and at 2 ranks a resume that continues the same losses."""
     import context_parallel as CP
@@ -199,7 +199,7 @@ def test_ulysses_parity_traffic_and_resume(runs, train_args, reference_short, re
     for name, flags in ULYSSES[world].items():
         where = f"ulysses, {name}, {world} ranks"
         records, path = results["ulysses", name]
-        cfg = M.parse_args(CP.DEFAULTS, train_args + [f"--max_iters={SHORT_STEPS}", "--method=ulysses"] + flags)
+        cfg = M.parse_args(CP.DEFAULTS, train_args + [f"--max_iters={SHORT_STEPS}", "--attention=ulysses"] + flags)
         if cfg.dtype == "bfloat16":
             assert_logs_match(records, reference_bf16, 3e-4)
         else:
@@ -220,7 +220,7 @@ def test_ulysses_parity_traffic_and_resume(runs, train_args, reference_short, re
 
 @pytest.mark.parametrize("runs", [4], indirect=True, ids=["world4"])
 def test_ulysses_on_the_mesh(runs, reference_short):
-    """parallel_nd.py --cp_method=ulysses with tp (12 heads: 6 a tp rank, 3 a cp rank) and with
+    """parallel_nd.py --attention=ulysses with tp (12 heads: 6 a tp rank, 3 a cp rank) and with
     a data axis: the one-process losses and parameters, and every axis' bytes its formula's."""
     world, results, _ = runs
     for name in MESHES:
@@ -239,9 +239,9 @@ def _three_ranks(rank, world, train_args):
     and the small preset's 4 heads refused, by context_parallel.py and on parallel_nd.py's cp axis."""
     import context_parallel as CP
     small = train_args + ["--model=small", "--block_size=24"]
-    return (CP.main(train_args + ["--method=ulysses", "--block_size=24", f"--max_iters={SHORT_STEPS}"]),
-            refuse("context_parallel", small + ["--method=ulysses"]),
-            refuse("parallel_nd", small + ["--cp=3", "--cp_method=ulysses"]))
+    return (CP.main(train_args + ["--attention=ulysses", "--block_size=24", f"--max_iters={SHORT_STEPS}"]),
+            refuse("context_parallel", small + ["--attention=ulysses"]),
+            refuse("parallel_nd", small + ["--cp=3", "--attention=ulysses"]))
 
 
 def test_ulysses_at_three_ranks_and_heads_that_do_not_split(train_args):
@@ -250,9 +250,9 @@ def test_ulysses_at_three_ranks_and_heads_that_do_not_split(train_args):
     with one_thread():
         reference = ddp.main(train_args + ["--block_size=24", f"--max_iters={SHORT_STEPS}"])
     assert_logs_match(results[0][0], reference, 1e-4)
-    assert_refused([r[1] for r in results], "--method=ulysses splits the 4 heads over the ranks: 3 ranks do not "
+    assert_refused([r[1] for r in results], "--attention=ulysses splits the 4 heads over the ranks: 3 ranks do not "
                    "divide them")
-    assert_refused([r[2] for r in results], "--cp_method=ulysses needs --tp x --cp = 3 to divide the 4 heads")
+    assert_refused([r[2] for r in results], "--attention=ulysses needs --tp x --cp = 3 to divide the 4 heads")
 
 
 def test_layouts_balance_the_causal_work():
@@ -301,7 +301,7 @@ def test_traffic_formula_by_hand():
     assert CP.traffic_per_rank(config, cfg, 1) == 0
     # Ulysses: 12 layers x 1 other rank x (q, k, v, out: 4 x 24 rows x 16 positions x 48 of the width)
     # x forward and backward (full: forward twice) x 2 bytes + 4Ψ
-    cfg.method = "ulysses"
+    cfg.attention = "ulysses"
     assert CP.traffic_per_rank(config, cfg, 2) == 12 * 4 * 18432 * 2 * 2 + 4 * M.param_count(config)
     cfg.dtype, cfg.recompute = "float32", "full"
     assert CP.traffic_per_rank(config, cfg, 2) == 12 * 4 * 18432 * 3 * 4 + 4 * M.param_count(config)
@@ -311,7 +311,7 @@ def test_bad_flags_are_one_line(train_args, capsys):
     import context_parallel as CP
     for args, message in ((["--dropout=0.1"], "error: context_parallel.py needs --dropout=0"),
                           (["--layout=striped"], "error: --layout takes contiguous or zigzag, not 'striped'"),
-                          (["--method=tree"], "error: --method takes ring or ulysses, not 'tree'")):
+                          (["--attention=tree"], "error: --attention takes ring or ulysses, not 'tree'")):
         with pytest.raises(SystemExit) as e:
             CP.main(train_args + args)
         assert e.value.code != 0

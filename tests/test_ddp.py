@@ -18,6 +18,9 @@ MODES = {2: [("naive", 1), ("bucketed", 2), ("overlap", 1), ("overlap", 2)],
 # depends on backward, over the warm-up and the decay); the others SHORT_STEPS, which catch a
 # wrong slice, a missing reduction or a bad scale as surely, at a fraction of the cost
 FULL = (2, "overlap", 2)
+# the three stages of DDP as ddp.py's flags
+MODE_FLAGS = {"naive": ["--bucket_mb=0", "--overlap=False"], "bucketed": ["--bucket_mb=0.5", "--overlap=False"],
+              "overlap": ["--bucket_mb=0.5", "--overlap=True"]}
 
 
 def _train_all(rank, world, train_args, out):
@@ -27,7 +30,7 @@ def _train_all(rank, world, train_args, out):
         path = os.path.join(out, f"ddp_{world}_{mode}_{accum}.pt")
         # small buckets, so that overlap has several all-reduces to launch during backward
         steps = [] if (world, mode, accum) == FULL else [f"--max_iters={SHORT_STEPS}"]
-        records = ddp.main(train_args + steps + [f"--mode={mode}", f"--grad_accum={accum}", "--bucket_mb=0.5",
+        records = ddp.main(train_args + steps + MODE_FLAGS[mode] + [f"--n_micro={accum}",
                                                  f"--save_path={path}"])
         results[(mode, accum)] = (records, path)
     if world == 2:  # every rank's model from a seed of its own (a common bug): rank 0's broadcast must undo it
@@ -49,7 +52,7 @@ def test_parity_and_traffic(world, train_args, reference, reference_short, tmp_p
         assert_logs_match(results.pop("per-rank seed"), reference_short[0], 1e-4)
     for (mode, accum), (records, path) in results.items():
         ref_records, ref_state = reference if (world, mode, accum) == FULL else reference_short
-        where = f"{mode}, grad_accum={accum}, {world} ranks"
+        where = f"{mode}, n_micro={accum}, {world} ranks"
         assert_logs_match(records, ref_records, 1e-4)
         assert_logs_match([r for r in records if "val_loss" in r], [r for r in ref_records if "val_loss" in r],
                           1e-4, key="val_loss")
@@ -85,7 +88,7 @@ def test_torchrun_end_to_end(train_args, reference_short, tmp_path):
 
 def test_batch_that_does_not_divide_fails_on_every_rank(train_args):
     # 24 rows, 3 ranks x 3 micro-steps: every rank stops, rank 0 alone says why
-    assert_refused(refusals("ddp", 3, train_args + ["--grad_accum=3"]),
+    assert_refused(refusals("ddp", 3, train_args + ["--n_micro=3"]),
                    "--batch_size=24 does not divide into 3 ranks x 3 micro-steps")
 
 
@@ -99,7 +102,7 @@ def test_one_process_launches_no_collective(train_args, monkeypatch):
     real = C._launch
     monkeypatch.setattr(C, "_launch", lambda name, *a, **k: launched.append(name) or real(name, *a, **k))
     for mode in ("naive", "bucketed", "overlap"):
-        ddp.main(train_args + ["--max_iters=2", "--eval_interval=1", f"--mode={mode}"])
+        ddp.main(train_args + ["--max_iters=2", "--eval_interval=1", *MODE_FLAGS[mode]])
     assert launched == [], launched
     assert not C._workers  # no worker was ever started
 
@@ -226,7 +229,7 @@ def test_main_with_zero_grad(train_args, reference_short):
     """ddp.py with optimizer.zero_grad() added to its step trains as before: each hook
     copies the gradient autograd wrote anew back into its bucket."""
     three = train_args + [f"--max_iters={SHORT_STEPS}"]
-    runs = {mode: ("ddp", three + [f"--mode={mode}", "--bucket_mb=0.5"]) for mode in ("overlap", "bucketed")}
+    runs = {mode: ("ddp", three + MODE_FLAGS[mode]) for mode in ("overlap", "bucketed")}
     for name, records in spawn(_with_zero_grad, 2, runs)[0].items():
         assert not isinstance(records, str), records
         assert_logs_match(records, reference_short[0], 1e-4)

@@ -3,7 +3,7 @@ plausible wrong answers fail for the right reason while a correct one written di
 
 Cost: the stubs are graded by reading the workspace (grade.py launches nothing for a function
 still raising NotImplementedError). The project's code is graded once per family at 2 ranks (the
-collectives at 2 and 3): ddp_naive's and zero1_step's runs are ddp.py --mode=naive and fsdp.py
+collectives at 2 and 3): ddp_naive's and zero1_step's runs are ddp.py --bucket_mb=0 --overlap=False and fsdp.py
 --zero_stage=1, whose parity and bytes tests/test_ddp.py and tests/test_fsdp.py prove at 2-4
 ranks; the three tensor parallel exercises grade the same run. The wrong answers: one hang (5 s
 of timeout), the schedule on paper, and a few short runs at 2 ranks.
@@ -219,7 +219,7 @@ for p in params:
     C.all_reduce(p.grad, op="avg", group=group)
     p.grad.div_(C.get_world_size(group))
 """})
-    lines = dict((line.split(": ")[1], (ok, line)) for ok, line in G.check_train(twice, "ddp", ["--mode=naive"], (2,),
+    lines = dict((line.split(": ")[1], (ok, line)) for ok, line in G.check_train(twice, "ddp", ["--bucket_mb=0", "--overlap=False"], (2,),
                                                                                      refs))
     ok, line = lines["gradient norm before clipping"]
     assert not ok and "first differs at step 0" in line, line
@@ -232,7 +232,7 @@ C.all_reduce(flat, op="avg", group=group)
 for g, part in zip(grads, flat.split([g.numel() for g in grads])):
     g.copy_(part.view_as(g))
 """})
-    lines = G.check_train(flat, "ddp", ["--mode=naive"], (2,), refs)
+    lines = G.check_train(flat, "ddp", ["--bucket_mb=0", "--overlap=False"], (2,), refs)
     assert all(ok for ok, _ in lines), _lines(lines, "one flat all-reduce")
     # buckets that ignore .sync: under gradient accumulation they fill, and go, on the first
     # micro-step; the counts then overshoot and the last micro-step's gradients never leave
@@ -249,7 +249,7 @@ if not self.overlap:
     for flat in self.buffers:
         C.all_reduce(flat, op="avg", group=self.group)
 """})
-    ok, line = G.check_train(eager, "ddp", ["--mode=overlap", "--bucket_mb=0.25", "--grad_accum=2"], (2,), refs)[1]
+    ok, line = G.check_train(eager, "ddp", ["--bucket_mb=0.25", "--n_micro=2"], (2,), refs)[1]
     assert not ok and "gradient norm before clipping: first differs at step 0" in line, line
 
 

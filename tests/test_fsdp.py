@@ -21,9 +21,9 @@ from conftest import BF16_ARGS, SHORT_STEPS, VOCAB
 SMALL = ["--model=small", "--block_size=32", f"--max_iters={SHORT_STEPS}", "--eval_interval=2"]
 SHORT = [f"--max_iters={SHORT_STEPS}"]  # against the reference's first SHORT_STEPS steps
 RUNS = {
-    2: [("zero3_prefetch2_accum2", ["--prefetch=2", "--grad_accum=2"], "tiny"),  # the 20-step run
-        ("zero1_accum2", SHORT + ["--zero_stage=1", "--grad_accum=2"], "tiny"),
-        ("zero2_accum2", SHORT + ["--zero_stage=2", "--grad_accum=2"], "tiny")],
+    2: [("zero3_prefetch2_accum2", ["--prefetch=2", "--n_micro=2"], "tiny"),  # the 20-step run
+        ("zero1_accum2", SHORT + ["--zero_stage=1", "--n_micro=2"], "tiny"),
+        ("zero2_accum2", SHORT + ["--zero_stage=2", "--n_micro=2"], "tiny")],
     3: [("zero3_prefetch0", SHORT + ["--prefetch=0"], "tiny"), ("zero3_small_uneven", SMALL, "small"),
         ("zero1_small_uneven", SMALL + ["--zero_stage=1"], "small"),
         ("zero2_small_uneven", SMALL + ["--zero_stage=2"], "small")],
@@ -37,7 +37,7 @@ RESUMED = {"zero3_prefetch2_accum2": 15, "zero1_accum2": SHORT_STEPS - 1}
 # bf16 at 2 ranks, 4 steps of 8 rows (a bf16 matmul on a CPU without bf16 units costs ~10
 # float32 ones), against the one-process bf16 run of ddp.py
 BF16_STEPS = BF16_ARGS
-BF16_RUNS = [("zero3_bf16", []), ("zero1_accum2_bf16", ["--zero_stage=1", "--grad_accum=2"]),
+BF16_RUNS = [("zero3_bf16", []), ("zero1_accum2_bf16", ["--zero_stage=1", "--n_micro=2"]),
              ("zero2_bf16", ["--zero_stage=2"])]
 
 
@@ -144,7 +144,7 @@ def test_parity_traffic_memory(world, runs, reference, reference_short, small_re
                           1e-4, key="val_loss")
         assert_states_match(torch.load(path), ref_state, 1e-5)
 
-        stage, accum, prefetch = flag(extra, "zero_stage", 3), flag(extra, "grad_accum", 1), flag(extra, "prefetch", 1)
+        stage, accum, prefetch = flag(extra, "zero_stage", 3), flag(extra, "n_micro", 1), flag(extra, "prefetch", 1)
         config = M.make_config(preset, VOCAB, block_size=32)
         S, _, padding, _ = shard_layout(config, world)
         if "uneven" in name:
@@ -184,7 +184,7 @@ def test_bf16_matches_autocast_run(runs, reference_bf16):
     """bf16: the same model as the one-process autocast run (linear weights gathered in bf16,
     LayerNorm and the ends in fp32), gradients reduced and accumulated in fp32. Measured at 2
     ranks over these 4 steps of 8 rows: iteration 0 within 7e-7, then within 1.4e-4 (ZeRO-3,
-    ZeRO-2) and 1.0e-4 (ZeRO-1, grad_accum 2); DDP at 2 ranks drifts as far (1.4e-4 over 8
+    ZeRO-2) and 1.0e-4 (ZeRO-1, n_micro 2); DDP at 2 ranks drifts as far (1.4e-4 over 8
     steps of 24 rows): a bf16 matmul over half the rows rounds its gradient otherwise.
     Gathering everything in bf16 (the embedding and norms on rounded weights) was off by
     1.6e-5 at step 0, 9e-4 at step 1, 1.2e-2 by step 7 (24 rows). Reducing in bf16, or
@@ -196,7 +196,7 @@ def test_bf16_matches_autocast_run(runs, reference_bf16):
         records = results[name][0]
         assert abs(records[0]["loss"] - reference_bf16[0]["loss"]) <= 2e-6, name
         assert_logs_match(records, reference_bf16, 4e-4)
-        stage, accum = flag(extra, "zero_stage", 3), flag(extra, "grad_accum", 1)
+        stage, accum = flag(extra, "zero_stage", 3), flag(extra, "n_micro", 1)
         cfg = M.parse_args(fsdp.DEFAULTS, BF16_STEPS + extra)
         sent = expected_bytes(config, 2, stage, accum, bf16=True)
         assert sent < expected_bytes(config, 2, stage, accum)  # the linear weights travel in half the bytes

@@ -212,7 +212,7 @@ def test_parse_args_forms():
     (["--model=huge"], "unknown --model 'huge'"),
     (["--learning_rate=1"], "unknown flag --learning_rate"),
     (["--batch_size=abc"], "--batch_size takes an integer, not 'abc'"),
-    (["--mode=fast"], "--mode takes naive, bucketed or overlap"),
+    (["--overlap=fast"], "--overlap takes True or False, not 'fast'"),
 ])
 def test_bad_input_is_one_clear_line(args, message, data_dir, capsys):
     """The first case as a user types it (a process of its own: no traceback reaches the

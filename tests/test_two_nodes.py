@@ -114,6 +114,6 @@ def test_a_file_error_is_said_once_per_node(data_dir, tmp_path):
 
 
 def test_a_flag_error_is_said_once(data_dir):
-    codes, _, stderr = two_nodes("ddp.py", ["--model=tiny", f"--data_dir={data_dir}", "--mode=fast"], env=NO_CRASH)
+    codes, _, stderr = two_nodes("ddp.py", ["--model=tiny", f"--data_dir={data_dir}", "--overlap=fast"], env=NO_CRASH)
     lines = errors(stderr)
-    assert all(c != 0 for c in codes) and len(lines) == 1 and "--mode takes" in lines[0], (codes, stderr[-3000:])
+    assert all(c != 0 for c in codes) and len(lines) == 1 and "--overlap takes" in lines[0], (codes, stderr[-3000:])
