@@ -46,8 +46,19 @@ import torch.distributed as dist
 import collectives as C
 import model as M
 
-DEFAULTS = dict(M.TRAIN_DEFAULTS, replicas=3, replica=-1, coordinator="", launch="", sync_every=1, outer_lr=0.7,
-                outer_momentum=0.9, max_restarts=3, faults="", timeout_s=10)
+DEFAULTS = dict(
+    M.TRAIN_DEFAULTS,
+    replicas=3,             # data-parallel replicas, one process each; replica i trains on slot i of N
+    replica=-1,             # -1: launch the coordinator and the replicas; i: be replica i (the launcher sets it)
+    coordinator="",         # HOST:PORT of a coordinator that outlives the replicas ("": this launcher hosts it)
+    launch="",              # which replica ids this node launches, comma-separated ("": all of them)
+    sync_every=1,           # 1: average the gradients every step; H > 1: DiLoCo, H local steps a round
+    outer_lr=0.7,           # DiLoCo's outer Nesterov step: learning rate
+    outer_momentum=0.9,     # and momentum
+    max_restarts=3,         # how often the launcher restarts a replica that died
+    faults="",              # kills on demand, R@STEP:WHERE[>BACK], e.g. 1@3:reduce>6 (see parse_faults)
+    timeout_s=10,           # a peer silent this long is taken for dead
+)
 POLL_S = 0.002  # how often a waiting replica, or the coordinator, reads the store
 
 
