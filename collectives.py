@@ -1323,11 +1323,9 @@ def _stop_workers(timeout=None):
         _workers.clear()
 
 
-# Nothing here may keep a process group alive once its caller destroyed it: the group's C++
-# side (gloo's threads, their last work and its tensors) is freed with the last reference,
-# and freed during the interpreter's teardown it can abort the process (a C++ thread taking
-# the GIL then; torch's own issue). So the byte counts hold groups weakly, and the workers,
-# which hold theirs, are ended at exit while the interpreter is still whole.
+# Nothing here may keep a destroyed process group alive: freed during the interpreter's
+# teardown, its C++ side (gloo's threads) can abort the process. So the byte counts hold
+# groups weakly, and the workers, which hold theirs, are ended at exit while all is whole.
 atexit.register(_stop_workers, 10)
 
 

@@ -48,7 +48,6 @@ class GPTConfig:
     n_embd: int = 768
     dropout: float = 0.0
     bias: bool = True
-    # mixture of experts, off when n_expert is 0 (see "mixture of experts" below)
     n_expert: int = 0              # experts of the MLP's shape in each block, in place of its MLP
     top_k: int = 2                 # experts each token is sent to
     capacity_factor: float = 0.0   # an expert takes at most ceil(cf·tokens·top_k/E) a micro-batch; 0: no limit
@@ -56,13 +55,9 @@ class GPTConfig:
 
 
 PRESETS = {
-    # tests: layers, heads and the test batch divide by 2, 3 and 4, so every
-    # strategy can split it at every world size the tests use
-    "tiny": dict(n_layer=12, n_head=12, n_embd=96, block_size=64),
-    # the CPU demo: small enough that two CPU processes show a falling loss in minutes
-    "small": dict(n_layer=4, n_head=4, n_embd=128, block_size=128),
-    # the pipeline bench: wide enough that a CPU's backward is its matmuls (at tiny's h = 96 it is not)
-    "wide": dict(n_layer=8, n_head=8, n_embd=512, block_size=64),
+    "tiny": dict(n_layer=12, n_head=12, n_embd=96, block_size=64),  # the tests': splits by 2, 3 and 4
+    "small": dict(n_layer=4, n_head=4, n_embd=128, block_size=128),  # the CPU demo: loss falls in minutes
+    "wide": dict(n_layer=8, n_head=8, n_embd=512, block_size=64),  # the pipeline bench: backward is matmuls
     "gpt2": dict(n_layer=12, n_head=12, n_embd=768, block_size=1024),  # 124M
     "gpt2-medium": dict(n_layer=24, n_head=16, n_embd=1024, block_size=1024),  # 350M
     "gpt2-large": dict(n_layer=36, n_head=20, n_embd=1280, block_size=1024),  # 774M
@@ -70,8 +65,8 @@ PRESETS = {
 }
 
 
-def pad_vocab(vocab_size, multiple=64):
-    return (vocab_size + multiple - 1) // multiple * multiple
+def pad_vocab(vocab_size):
+    return (vocab_size + 63) // 64 * 64
 
 
 # -----------------------------------------------------------------------------
@@ -739,7 +734,7 @@ DIE_WAIT_S = 30  # the longest a silent rank waits for the one that prints (see 
 DIE_WAIT_OTHER_NODE_S = 5  # the same, for a rank on another node than the printer's
 
 
-def die(msg, code=2, scope="all"):
+def die(msg, scope="all"):
     """Bad input ends the run with one line on stderr and a non-zero exit, never a hang.
     scope says who sees the problem, so that one rank prints: "all" (a flag: rank 0), "node"
     (a file: each machine's local rank 0), "me" (this rank).
@@ -756,7 +751,7 @@ def die(msg, code=2, scope="all"):
     elif "TORCHELASTIC_RUN_ID" in os.environ:
         printer_here = scope == "node" or os.environ.get("GROUP_RANK", "0") == "0"  # GROUP_RANK: the node's
         time.sleep(DIE_WAIT_S if printer_here else DIE_WAIT_OTHER_NODE_S)
-    sys.exit(code)
+    sys.exit(2)
 
 
 def delay_for_tests(where="start"):
@@ -827,16 +822,13 @@ def flag_help(defaults):
 
 def _typed(key, val, default):
     if isinstance(default, bool):
-        if val.lower() in ("true", "1", "yes"):
-            return True
-        if val.lower() in ("false", "0", "no"):
-            return False
-        die(f"--{key} takes True or False, not {val!r}")
-    kind = {int: "an integer", float: "a number"}.get(type(default), "a string")
+        if val.lower() not in ("true", "1", "yes", "false", "0", "no"):
+            die(f"--{key} takes True or False, not {val!r}")
+        return val.lower() in ("true", "1", "yes")
     try:
         return type(default)(val)
     except ValueError:
-        die(f"--{key} takes {kind}, not {val!r}")
+        die(f"--{key} takes {({int: 'an integer', float: 'a number'}).get(type(default), 'a string')}, not {val!r}")
 
 
 def check_flags(cfg):

@@ -87,8 +87,8 @@ def main(argv=None):
                           "cpu" if cfg.device == "auto" else cfg.device)
     dtype = M.auto_dtype() if cfg.dtype == "auto" else cfg.dtype
     # One token at a time is a chain of small ops: each parallel region costs a hand-off between
-    # threads, and one thread descheduled by another process stalls them all. On 2 cores, busy,
-    # 1 thread made 200 tokens of --model=small in 1.8 s, 2 threads (torch's default) in 21-26 s.
+    # threads, and one thread descheduled by another process stalls them all. On 2 busy cores
+    # 1 thread made 200 tokens of --model=small in 1.0-1.8 s, 2 (torch's default) in 13-26 s.
     torch.set_num_threads(cfg.threads or max(1, torch.get_num_threads() // 2))
 
     state, manifest = M.load_full_state(folder)
