@@ -1,35 +1,29 @@
 """
-Collectives by hand, on nothing but point-to-point messages (isend/irecv, each step's
-posted together with batch_isend_irecv). The signatures mirror torch.distributed's
-tensor forms, so `C.all_reduce(t)` and `dist.all_reduce(t)` can be swapped and compared:
+Collectives by hand, on nothing but point-to-point messages (isend/irecv, each step's posted
+together). The signatures mirror torch.distributed's tensor forms, so `C.all_reduce(t)` and
+`dist.all_reduce(t)` can be swapped and compared:
 
     broadcast(tensor, src), reduce(tensor, dst, op="sum"), all_reduce(tensor, op="sum")
     reduce_scatter(output, input, op="sum"), all_gather(output, input)
     scatter(output, input, src), gather(output, input, dst)
     all_to_all(output, input, output_split_sizes=None, input_split_sizes=None)
     send(tensor, dst), recv(tensor, src), sendrecv(send_tensor, dst, recv_tensor, src)
-    barrier(group=None, timeout_s=None), gather_stats({name: number}, group=None)
+    batch_sendrecv(sends, recvs), barrier(group=None, timeout_s=None), gather_stats({name: number})
 
-Each takes group=None (the whole world) and, but the last two, async_op=False (True: a
-handle with wait() and is_completed()). src/dst are GLOBAL ranks; op is "sum", "avg",
-"max", "min" or a dist.ReduceOp (avg is sum then divide, refused for integer tensors).
-Below the fence: init_distributed(timeout_s=None, backend=None) -> (rank, world_size,
-local_rank, device), shutdown(), get_rank/get_world_size/group_ranks(group=None),
-new_group(ranks); bytes_sent(group=None), bytes_by_op(), bytes_by_group(), reset_bytes(),
-untracked(); CommError, a wait that failed, naming the ranks it was waiting for;
-trace_on(count=None), trace_off() -> spans, labelled(name) (model.py's --trace); flight_record(),
-diagnose(wait_s=None) -> (one line: which rank is behind where, the ranks that answered);
-use("torch") / use("hand"): torch.distributed's own collectives in these names' place
-(model.py's --collectives), bytes still counted as these would send them.
+Each takes group=None (the world) and, but the last two, async_op=False (True: a handle with
+wait() and is_completed()). src/dst are GLOBAL ranks; op is "sum", "avg", "max", "min" or a
+dist.ReduceOp (avg: sum, then divide). Every algorithm is a list of steps (sends, recvs,
+then): post the step's messages together, wait for them, call then() (say, add what arrived);
+_run keeps several steps on the wire at once, which is how the rings overlap the wire with the
+adder. Costs are in the alpha-beta model (Thakur, Rabenseifner & Gropp 2005; docs/formulas.md):
+a message of S bytes costs alpha + S/beta, reducing S bytes S*gamma, N ranks.
 
-Every algorithm is a list of steps (sends, recvs, then): post the step's messages
-together, wait for them, call then() (say, add what arrived). _run is the one place that
-posts messages, and it keeps several steps on the wire at once: that is how the rings
-overlap the wire with the adder. Costs are in the alpha-beta model (Thakur, Rabenseifner &
-Gropp, "Optimization of Collective Communication Operations in MPICH", 2005;
-docs/formulas.md): a message of S bytes costs alpha + S/beta, reducing
-S bytes costs S*gamma, N is the number of ranks. bench/collectives_vs_torch.py times each
-one against the built-in (`torchrun --nproc_per_node=4 bench/collectives_vs_torch.py`).
+The lesson is the algorithms and the collectives built on them, down to gather_stats; then
+use("torch"), which puts torch.distributed's own in their place (--collectives=torch), bytes
+still counted as these would send them; behind the fence the plumbing: init_distributed,
+new_group, get_rank, byte counts (bytes_sent, untracked), --trace's spans, the flight recorder
+and diagnose() (which rank is behind where), the engine and the async workers.
+`torchrun --nproc_per_node=4 bench/collectives_vs_torch.py` times each against the built-in.
 """
 import atexit
 import contextlib
@@ -49,12 +43,10 @@ from collections import defaultdict, deque
 import torch
 import torch.distributed as dist
 
-# Tuning knobs, measured with bench/collectives_vs_torch.py (gloo ranks on 2 CPU cores, where
-# alpha is a thread wake-up: ~0.1 ms idle, milliseconds under load). There the tree
-# all_reduce beat the ring up to 4-8 MB; 64 KB keeps the tree for small messages only, the
-# split that the training scripts' traffic tests assume. Two ranks swap whole buffers up to
-# 1 MB (one message each way instead of two in a row; the same bytes): measured there at
-# 0.5-0.9 of gloo's time at 4 KB and 295 KB, where the ring took 1.2-2.6 of it.
+# Tuning knobs, measured with bench/collectives_vs_torch.py on gloo ranks on 2 CPU cores (alpha:
+# a thread wake-up, ~0.1 ms idle). The tree all_reduce beat the ring up to 4-8 MB there; 64 KB
+# keeps it for small messages only, the split the traffic tests assume. Two ranks swapping whole
+# buffers took 0.5-0.9 of gloo's time at 4 KB and 295 KB, the ring 1.2-2.6.
 SMALL_ALL_REDUCE_BYTES = 64 << 10  # all_reduce below this size: tree reduce + tree broadcast
 LARGE_REDUCE_BYTES = 32 << 20      # reduce from this size on: ring reduce-scatter + gather
 SEGMENT_BYTES = 4 << 20            # rings cut each chunk into segments of at most this size
@@ -365,11 +357,6 @@ def _split_sizes(sizes, t, n, what):
     return sizes
 
 
-def _row_pieces(flat, sizes, row):
-    """Cut flat into consecutive views of sizes[i] rows of `row` elements."""
-    return flat.split([s * row for s in sizes])
-
-
 def all_to_all(output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):
     """As dist.all_to_all_single: input's dim 0 is cut into input_split_sizes[i] rows for rank
     i (None: N equal parts), and what rank j sends lands in output's part j, cut the same way
@@ -390,7 +377,7 @@ def all_to_all(output, input, output_split_sizes=None, input_split_sizes=None, g
 
     def fn():
         out = _flat(output)
-        send, recv = _row_pieces(_flat(input), ins, row), _row_pieces(out, outs, row)
+        send, recv = _flat(input).split([s * row for s in ins]), out.split([s * row for s in outs])
         recv[me].copy_(send[me])
         # _post skips an empty piece; the peer's matching piece is empty too, so it skips the
         # receive: no empty messages, and the two sides still pair up
@@ -403,55 +390,36 @@ def all_to_all(output, input, output_split_sizes=None, input_split_sizes=None, g
 
 
 def send(tensor, dst, group=None, async_op=False):
-    me, n, ranks = _members(group)
-    _check(_index_of(dst, ranks, "dst") != me, "send: never send to yourself")
-    return _launch("send", lambda: _run([([(_flat(tensor), dst)], [], None)], group), async_op, tensor.device, group)
+    return _p2p("send", [(tensor, dst)], [], group, async_op)
 
 
 def recv(tensor, src, group=None, async_op=False):
-    me, n, ranks = _members(group)
-    _check(_index_of(src, ranks, "src") != me, "recv: never receive from yourself")
-
-    def fn():
-        flat = _flat(tensor)
-        _run([([], [(flat, src)], None)], group)
-        _copy_back(tensor, flat)
-    return _launch("recv", fn, async_op, tensor.device, group)
+    return _p2p("recv", [], [(tensor, src)], group, async_op)
 
 
 def sendrecv(send_tensor, dst, recv_tensor, src, group=None, async_op=False):
-    """The pipeline's primitive (and the attention ring's): send send_tensor to dst and receive recv_tensor from src,
-    both posted at once (one batch_isend_irecv: one NCCL group call), as MPI_Sendrecv.
-    Either may be None. Two neighbours that each send to the other before receiving deadlock
-    with blocking send/recv (NCCL, and gloo for large messages, hand a message over only once
-    its receiver has posted); posting each rank's send and receive together cannot."""
-    me, n, ranks = _members(group)
-    if send_tensor is not None:
-        _check(_index_of(dst, ranks, "dst") != me, "sendrecv: never send to yourself")
-    if recv_tensor is not None:
-        _check(_index_of(src, ranks, "src") != me, "sendrecv: never receive from yourself")
-    if send_tensor is None and recv_tensor is None:
-        return None
-
-    def fn():
-        sends = [(_flat(send_tensor), dst)] if send_tensor is not None else []
-        flat = _flat(recv_tensor) if recv_tensor is not None else None
-        _run([(sends, [(flat, src)] if flat is not None else [], None)], group)
-        if flat is not None:
-            _copy_back(recv_tensor, flat)
-    device = (send_tensor if send_tensor is not None else recv_tensor).device
-    return _launch("sendrecv", fn, async_op, device, group)
+    """The pipeline's primitive (and the attention ring's), as MPI_Sendrecv: send send_tensor
+    to dst and receive recv_tensor from src, both posted at once (one NCCL group call); either
+    may be None. Two neighbours that each send to the other before receiving deadlock with
+    blocking send/recv (NCCL, and gloo for large messages, hand a message over only once its
+    receiver has posted); posting each rank's send and receive together cannot."""
+    return _p2p("sendrecv", [(send_tensor, dst)] if send_tensor is not None else [],
+                [(recv_tensor, src)] if recv_tensor is not None else [], group, async_op)
 
 
 def batch_sendrecv(sends, recvs, group=None, async_op=False):
     """sendrecv for several messages: every (tensor, dst) of sends and (tensor, src) of recvs
-    posted at once (one batch_isend_irecv), as the interleaved pipeline's steady state posts
-    its two sends and two receives. Messages between two ranks match in list order."""
+    posted at once, as the interleaved pipeline's steady state posts its two sends and two
+    receives. Messages between two ranks match in list order."""
+    return _p2p("sendrecv", sends, recvs, group, async_op)
+
+
+def _p2p(name, sends, recvs, group, async_op):
     me, n, ranks = _members(group)
     for _, dst in sends:
-        _check(_index_of(dst, ranks, "dst") != me, "batch_sendrecv: never send to yourself")
+        _check(_index_of(dst, ranks, "dst") != me, f"{name}: never send to yourself")
     for _, src in recvs:
-        _check(_index_of(src, ranks, "src") != me, "batch_sendrecv: never receive from yourself")
+        _check(_index_of(src, ranks, "src") != me, f"{name}: never receive from yourself")
     if not sends and not recvs:
         return None
 
@@ -460,16 +428,14 @@ def batch_sendrecv(sends, recvs, group=None, async_op=False):
         _run([([(_flat(t), dst) for t, dst in sends], [(f, src) for f, (_, src) in zip(flats, recvs)], None)], group)
         for (t, _), f in zip(recvs, flats):
             _copy_back(t, f)
-    return _launch("sendrecv", fn, async_op, (sends or recvs)[0][0].device, group)
+    return _launch(name, fn, async_op, (sends or recvs)[0][0].device, group)
+
 
 def barrier(group=None, timeout_s=None):
-    """Nobody leaves before everybody has arrived: a tree all_reduce of one element, untracked.
-    Every rank's result depends on every rank having sent, so it cannot finish early; the CPU
-    waits for it (on NCCL too), and a peer that does not come is a CommError after --timeout_s.
-    timeout_s: wait this long instead, for a barrier that waits on host work rather than on
-    communication (rank 0 writing and hashing a checkpoint). NCCL's watchdog would abort any
-    message older than the group's timeout, so that barrier goes through the rendezvous store
-    when init_distributed made the group (without it, NCCL's limit still holds)."""
+    """Nobody leaves before everybody has arrived: a tree all_reduce of one element, untracked,
+    which the CPU waits for (on NCCL too); a peer that does not come is a CommError after
+    --timeout_s. timeout_s: wait this long instead, for host work (a checkpoint's writing and
+    hashing), through the rendezvous store: NCCL's watchdog would abort a message that old."""
     if not _initialized():
         return
     me, n, ranks = _members(group)
@@ -504,11 +470,9 @@ def _store_barrier(ranks, timeout_s):
 
 
 def gather_stats(values, group=None):
-    """A few numbers from every rank (loss, bytes sent, memory...) gathered to the group's
-    first rank for the log: values is {name: number}, the same names in the same order on
-    every rank. -> {name: [the value on each rank of the group]} there, None elsewhere.
-    Bookkeeping, so its own traffic is not counted; the CPU waits for it (a dead peer is a
-    CommError after --timeout_s, on NCCL too)."""
+    """A few numbers from every rank gathered to the group's first rank for the log: values is
+    {name: number}, the same names on every rank. -> {name: [the value on each rank]} there,
+    None elsewhere. Bookkeeping: not counted, and the CPU waits for it (on NCCL too)."""
     _check(isinstance(values, dict), f"gather_stats: values must be {{name: number}}, not {type(values).__name__}")
     me, n, ranks = _members(group)
     if n == 1:  # one rank: nothing to gather, nothing launched
@@ -625,18 +589,16 @@ def _average(op, flat, group):
 
 
 class _Finished:
-    """A built-in's async work, and what is left to do once it is done (divide, copy back)."""
+    """A built-in's async work, and what is left to do once it is done."""
 
-    def __init__(self, work, then, entry=None):
-        self._work, self._then, self._entry = work, then, entry
+    def __init__(self, work, then):
+        self._work, self._then = work, then
 
     def wait(self):
         self._work.wait()
-        if self._then is not None:
-            self._then()
-            self._then = None
-        if self._entry is not None:
-            _done(self._entry)
+        then, self._then = self._then, None
+        if then is not None:
+            then()
         return True
 
     def is_completed(self):
@@ -644,22 +606,18 @@ class _Finished:
 
 
 def _finish(work, then, tensor, flat, entry=None):
-    """then() and the copy back into a non-contiguous tensor: now, or at wait() (async_op).
-    entry: the op's flight record, done when the op returns or its wait() does."""
+    """then() (avg's divide), the copy back into a non-contiguous tensor, and the op's flight
+    record marked done (on a GPU, once the stream has passed it): now, or at wait() (async_op)."""
     def done():
         if then is not None:
             then()
         if flat is not None:
             _copy_back(tensor, flat)
+        if entry is not None:
+            entry[5] = _enqueued() if entry[6].type == "cuda" else "done"
     if work is not None:
-        return _Finished(work, done, entry)
+        return _Finished(work, done)
     done()
-    if entry is not None:
-        _done(entry)
-
-
-def _done(entry):  # a built-in's flight record: done now, on a GPU once the stream has passed it
-    entry[5] = _enqueued() if entry[6].type == "cuda" else "done"
 
 
 _would_send = {}  # (op, shapes, dtypes, arguments, group) -> bytes the hand-written op sends from this rank
@@ -689,18 +647,14 @@ def _charge(name, hand, tensors, kw, group):
             sent = _would_send[key] = _running.dry
         finally:
             _running.dry = None
-    with _lock:
-        _bytes[name] += sent
-        _group_bytes[tuple(link.ranks)] += sent
-        _handle_bytes[link.pg] = _handle_bytes.get(link.pg, 0) + sent
-        entry[3] = sent
+    _add_bytes(name, link, sent)
+    entry[3] = sent
     return entry
 
 
-# =============================================================================================
-# Below the fence: the plumbing. Process groups, byte accounting, the engine that posts a
-# step's messages and waits for them, the async workers, argument checks.
-# =============================================================================================
+# ============================================================================================= the fence
+# Below: the plumbing. Process groups, byte accounting, trace and flight recorder, the engine
+# that posts a step's messages and waits for them, the async workers, argument checks.
 
 # ----------------------------------------------------------------------------- process group
 
@@ -712,10 +666,9 @@ NCCL_GRACE_S = 60  # NCCL's watchdog fires this much after our own CPU-side dead
 
 
 def init_distributed(timeout_s=None, backend=None):
-    """-> (rank, world_size, local_rank, device). The one place the backend is chosen.
-    timeout_s: how long a rank waits for a peer before its collective fails (CommError).
-    backend: None is NCCL where there is a GPU, else gloo; "gloo" keeps a GPU machine's
-    ranks on the CPU (the benchmarks' --backend=gloo)."""
+    """-> (rank, world_size, local_rank, device); the one place the backend is chosen (None:
+    NCCL where there is a GPU, else gloo). timeout_s: how long a rank waits for a peer before
+    its collective fails (CommError)."""
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     # The device follows the group's backend: inside a group someone else made on gloo (the
     # tests') we stay on the CPU, GPUs or not, or gloo would be handed CUDA pointers.
@@ -747,15 +700,11 @@ _groups_made = 0  # world groups this process has made: each reads and writes it
 def _make_group(timeout_s, device):
     global _we_created_group, _timeout_s, _group_timeout, _store, _groups_made
     kw = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
-    # A store can outlive a process group: torchrun's, shared by its agent with the ranks (the
-    # default), outlives a failed attempt (--max_restarts), and any store outlives a group a
-    # process destroyed to make another (main() called twice). Ranks would read the old
-    # group's addresses from it and fail to connect. So each group gets its own prefix (every
-    # rank makes its groups in the same order), and in a shared store each attempt too: the
-    # agent's restart count. That count is each agent's own (an agent whose ranks restart
-    # because another node's failed does not count it), so on several nodes it can differ;
-    # with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 every attempt has a fresh store (rank 0
-    # hosts it) and the count is left out, which is what restarts across nodes need.
+    # A store can outlive its group (torchrun's agent's store outlives a failed attempt, any
+    # store a group destroyed to make another), and ranks would read the old group's addresses
+    # from it. So each group gets its own prefix, and in the agent's shared store each attempt
+    # too (its restart count, each agent's own: across nodes, TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+    # gives every attempt a fresh store and leaves the count out).
     store, rank, world = next(dist.rendezvous("env://", **kw))
     shared = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") if shared else "0"
@@ -763,9 +712,8 @@ def _make_group(timeout_s, device):
     _groups_made += 1
     nccl = device.type == "cuda"
     if nccl and timeout_s is not None:
-        # On NCCL a wait does not block the CPU, so our own deadline is checked only where
-        # the CPU waits (barrier, gather_stats); the watchdog, which aborts the process at
-        # the group's timeout, comes a grace period later, so that those waits report first.
+        # NCCL's waits do not block the CPU: our deadline is checked where the CPU waits
+        # (barrier, gather_stats), and the watchdog's abort comes a grace period later.
         kw["timeout"] = datetime.timedelta(seconds=timeout_s + NCCL_GRACE_S)
     kw.update(store=_store, rank=rank, world_size=world)
     if nccl:  # device_id makes NCCL create its communicator now, with every rank present
@@ -781,9 +729,7 @@ def shutdown():
     _stop_workers()  # runs everything still queued first
     if _we_created_group and _initialized():
         # torch < ~2.6 destroys an NCCL group by aborting its communicator, in-flight work
-        # included, and waiting on NCCL work does not block the CPU: a rank that got here
-        # first would cut off a peer still receiving from it. So the GPU finishes, then
-        # everybody arrives, then the group goes.
+        # included: the GPU finishes, then everybody arrives, then the group goes.
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.synchronize()
         try:
@@ -825,12 +771,10 @@ def _members(group):
 
 
 class _Link:
-    """What every op asks of its group, looked up once per process group (torch's own
-    look-ups cost microseconds each, several per op): my index, the size, the global rank of
-    each index and the group index of each global rank (a message names its peer by the
-    latter), the group's name (the flight record's key), and whether it runs on NCCL. It holds
-    the group weakly, as the byte counts do: a group the caller destroys is freed then, not in
-    the interpreter's teardown (see _stop_workers)."""
+    """What every op asks of its group, looked up once (torch's look-ups cost microseconds
+    each): my index, the size, each index's global rank and each global rank's index, the
+    group's name (the flight record's key), whether it runs on NCCL. The group is held weakly,
+    as the byte counts hold it: a destroyed group is freed then (see _stop_workers)."""
 
     def __init__(self, pg):
         self._pg, self.me, self.n = weakref.ref(pg), dist.get_rank(pg), dist.get_world_size(pg)
@@ -870,10 +814,9 @@ def _comm_device(group):
 
 
 def new_group(ranks):
-    """A group of some global ranks: -> the group on its members, None on the other ranks.
-    Every rank of the world must call it, members or not, with the same ranks and in the
-    same order as the others (torch.distributed numbers groups by creation, and on NCCL
-    creating one splits the world's communicator, a collective over all ranks)."""
+    """A group of some global ranks: -> the group on its members, None on the others. Every
+    rank must call it, members or not, in the same order (torch numbers groups by creation,
+    and on NCCL creating one splits the world's communicator, a collective over all ranks)."""
     ranks = sorted(ranks)
     _check(len(set(ranks)) == len(ranks) and all(0 <= r < get_world_size() for r in ranks),
            f"new_group: {ranks} are not distinct ranks of a world of {get_world_size()}")
@@ -883,9 +826,8 @@ def new_group(ranks):
     group = dist.new_group(ranks, timeout=_group_timeout)  # None: torch's default, not the world's
     if get_rank() not in ranks:
         return None
-    # Create the communicator now, with every member present. Before torch 2.5 NCCL members
-    # made it lazily on first use while non-members split eagerly, and a pipeline of 3+
-    # stages hung: the non-members waited in the split for members that were waiting on them.
+    # The communicator now, with every member present: before torch 2.5 members made it lazily
+    # while non-members split eagerly, and a 3+ stage pipeline hung, each waiting on the other.
     barrier(group)
     return group
 
@@ -898,6 +840,15 @@ _bytes = defaultdict(int)        # op name -> payload bytes this rank has sent
 _group_bytes = defaultdict(int)  # the group's global ranks, as a tuple -> payload bytes sent on it
 _handle_bytes = weakref.WeakKeyDictionary()  # the group itself -> payload bytes sent through it (weak: see _stop_workers)
 _untracked_depth = 0
+
+
+def _add_bytes(name, link, sent):
+    with _lock:
+        _bytes[name] += sent
+        _group_bytes[tuple(link.ranks)] += sent
+        _handle_bytes[link.pg] = _handle_bytes.get(link.pg, 0) + sent
+
+
 class _PerThread(threading.local):
     op = None   # (name, tracked, flight entry, span) of the op this thread runs now
     dry = None  # a number while this thread dry-runs an op for a built-in's bytes (_charge)
@@ -908,10 +859,8 @@ _running = _PerThread()
 
 def bytes_sent(group=None):
     """Payload bytes this rank has sent: in all (None); through `group`, a group object
-    (dist.group.WORLD: the world's own traffic, not the total); or among a tuple of global
-    ranks, whichever groups carried it. Two groups of the same ranks (two new_group calls)
-    count apart by object: parallel_nd's ep group and its cp group when ep = cp, say, each
-    log their own bytes."""
+    (dist.group.WORLD: the world's own traffic), counted apart from another group of the same
+    ranks; or among a tuple of global ranks, whichever groups carried it."""
     with _lock:
         if group is None:
             return sum(_bytes.values())
@@ -951,11 +900,9 @@ def untracked():
 # ----------------------------------------------------------------------------- trace and flight recorder
 
 # Tracing (model.py's --trace): while trace_on() holds, every tracked op appends a span to
-# _spans: its op, group, the peers it talked to, the bytes it sent (counted in _post, where
-# comm_bytes is counted, so the two agree to the byte) and its start and end, as CUDA events
-# on a GPU (what the device did, read once a step) or the CPU's clock. An async op's span is
-# where it ran (the group's worker: its own row), and its wait() a second span on the
-# caller's row. Off, _launch reads one flag and does nothing else.
+# _spans: op, group, peers, bytes (counted in _post with comm_bytes, so they agree to the
+# byte), start and end (CUDA events on a GPU, else the CPU's clock). An async op's span is on
+# its worker's row, its wait() a second span on the caller's. Off, _launch reads one flag.
 _tracing = False
 _spans = []    # this rank's spans, in the order they were issued
 _label = None  # the name the caller gives the ops it issues now (model.py's span(name, comm=True))
@@ -1006,9 +953,9 @@ def _trace_span(op, group, device, async_op):
 
 
 def _trace_wait(span, device):
-    waited = dict(name=f"wait {span['name']}", op=span["op"], cat="wait", row="main", ranks=span["ranks"],
-                  bytes=0, peers=span["peers"], device=device, t0=_stamp(device), t1=None, posted=None,
-                  to={}, frm={}, at=_count() if _count else None, of=(span["at"] or [None])[0])
+    waited = dict(span, name=f"wait {span['name']}", cat="wait", row="main", bytes=0, device=device,
+                  t0=_stamp(device), t1=None, posted=None, to={}, frm={}, at=_count() if _count else None,
+                  of=(span["at"] or [None])[0])
     with _lock:
         _spans.append(waited)
     return waited
@@ -1016,13 +963,10 @@ def _trace_wait(span, device):
 
 # The flight recorder, as NCCL's: for each group, the last FLIGHT_RECORDS ops this rank issued
 # on it, each [seq, op, group, bytes sent so far, peers, state, device]. An op is done when its
-# function has returned, on a GPU when the CUDA event recorded after it has completed: there
-# the function returns once its kernels are enqueued, and a rank whose GPU is stuck in a
-# transfer would otherwise be reported as past it. Collectives are numbered per
-# group in issue order, the order every member must issue them in, so #17 on one rank is #17
-# on the others; point-to-point messages (and the store's barrier) are not numbered, as
-# ranks exchange different numbers of them. When a wait fails (CommError) or on Ctrl-C,
-# diagnose() puts the record in the rendezvous store, reads the others' and compares.
+# function has returned (on a GPU, when the event recorded after its kernels has completed).
+# Collectives are numbered per group in issue order, which every member shares, so #17 is #17
+# on every rank; point-to-point messages are not (ranks exchange different numbers of them).
+# When a wait fails (CommError) or on Ctrl-C, diagnose() compares the ranks' records.
 FLIGHT_RECORDS = 16
 _flight = {}                  # the group's name -> (its global ranks, deque of entries), under _lock
 _flight_seq = defaultdict(int)
@@ -1068,11 +1012,10 @@ def _state(state):  # "posted", "done", or the CUDA event that says which
 
 
 def diagnose(wait_s=None):
-    """Compare the ranks' flight records: -> (one line saying who is behind where, or "" if
-    nothing is, the ranks that answered). Publishes this rank's record in the rendezvous
-    store and waits up to wait_s (default: --timeout_s, or 30 s) for the others': a rank
-    stuck in another op answers when that op times out in turn; one that never answers
-    (stopped, dead) is named as such."""
+    """Compare the ranks' flight records through the rendezvous store, waiting up to wait_s
+    (default: --timeout_s, or 30 s) for the others' (a rank stuck in another op answers when
+    that op times out; one that never answers is named as such). -> (one line saying who is
+    behind where, or "", the ranks that answered)."""
     global _diagnoses
     store = _store
     if store is None and _initialized():
@@ -1154,14 +1097,11 @@ def _diagnosis(records, silent, wait_s=0):
 
 # ----------------------------------------------------------------------------- the engine
 
-# For NCCL: batch_isend_irecv is one NCCL group call, so a step's sends and receives start
-# together and two neighbours sending to each other cannot deadlock (gloo's isend never
-# blocks). NCCL has no tags: messages between two ranks match in posting order, and both
-# sides of every algorithm here post in the same order. The first p2p call on a group
-# must involve all its ranks unless the communicator exists already (init_distributed
-# and new_group create it eagerly). work.wait() on NCCL makes the current stream wait for
-# the transfer instead of blocking the CPU, so a then() that reduces is ordered after its
-# receive.
+# On NCCL a step is one batch_isend_irecv, one group call: its sends and receives start
+# together, so two neighbours sending to each other cannot deadlock (gloo's isend never
+# blocks). NCCL has no tags: messages between two ranks match in posting order, the same on
+# both sides of every algorithm here. Its work.wait() makes the current stream wait instead
+# of the CPU, so a then() that reduces is still ordered after its receive.
 
 class CommError(RuntimeError):
     """Waiting for a peer, or posting to it, failed (a timeout, a peer gone). The message
@@ -1181,10 +1121,7 @@ def _post(step, link, op, nccl):
         _running.dry += sent
         return [], posted
     if tracked:
-        with _lock:
-            _bytes[name] += sent
-            _group_bytes[tuple(link.ranks)] += sent
-            _handle_bytes[link.pg] = _handle_bytes.get(link.pg, 0) + sent
+        _add_bytes(name, link, sent)
     if entry is not None:  # the flight record: what this op has put on the wire so far, and to whom
         entry[3] += sent
         entry[4].update(peer for _, peer, _ in posted)
@@ -1219,10 +1156,9 @@ def _comm_error(e, posted, ranks, doing):
 
 def _run(steps, group, depth=1, block=False, timeout_s=None):
     """Run the steps in order with up to `depth` of them posted: step i's then() runs while
-    steps i+1.. are already moving. So a step may only send what a then() at least `depth`
-    steps earlier produced (the rings keep depth <= segments per chunk to guarantee it).
-    block: the CPU waits for every message (on NCCL too); timeout_s: that wait's deadline
-    instead of the group's."""
+    steps i+1.. are moving, so a step may only send what a then() at least `depth` steps
+    earlier produced (the rings keep depth <= segments per chunk). block: the CPU waits for
+    every message (on NCCL too); timeout_s: that wait's deadline instead of the group's."""
     if not _initialized():  # one rank: no step has a message, only the then()s to run
         for _, _, then in steps:
             if then is not None:
@@ -1235,10 +1171,7 @@ def _run(steps, group, depth=1, block=False, timeout_s=None):
         works, messages = posted.popleft()
         for j, work in enumerate(works):
             try:
-                if poll or timeout_s is not None:
-                    _wait(work, poll, timeout_s)
-                else:
-                    work.wait()
+                _wait(work, poll, timeout_s)
             except RuntimeError as e:
                 # gloo returns a work per message, so the messages from the failed one on are
                 # still awaited; NCCL returns one work for the whole step: all of them are
@@ -1254,9 +1187,8 @@ def _run(steps, group, depth=1, block=False, timeout_s=None):
 
 def _wait(work, poll, timeout_s):
     """gloo's wait blocks the CPU, up to the group's timeout or timeout_s. NCCL's only makes the
-    current stream wait (the watchdog aborts the process at the group's timeout), and its
-    wait(timeout) blocks only from torch ~2.5 on: so where we must block, we poll, with our
-    own deadline, and a timeout is a CommError like gloo's."""
+    stream wait (and its wait(timeout) blocks only from torch ~2.5 on): where we must block
+    (poll), we poll with our own deadline, so that a timeout is a CommError like gloo's."""
     if not poll:
         return work.wait() if timeout_s is None else work.wait(datetime.timedelta(seconds=timeout_s))
     work.wait()
@@ -1273,21 +1205,16 @@ def _is_nccl(group):
 
 # ----------------------------------------------------------------------------- async
 
-# One worker thread and one queue per process group run that group's submitted ops in FIFO
-# order, so all ranks run a group's collectives in the order they were called and their
-# messages match. Order is only needed within a group: in 3-D the tensor-parallel
-# all-reduce on the critical path must not queue behind the data-parallel buckets. A
-# synchronous call runs inline when nothing of its group is queued, else it queues and
-# waits, so it never overtakes an async op of its group. On gloo the overlap comes from the
-# threads: gloo releases the GIL while bytes move, and the main thread computes meanwhile.
-# On CUDA each worker runs its ops on a side stream of its own that first waits for an
-# event recorded on the caller's stream (so it sees finished inputs); wait() makes the
-# caller's current stream wait for an event recorded after the op: ordered on the GPU, the
-# CPU does not block. As with torch.distributed, an async op's tensors are the op's until
-# wait(): on gloo the worker reads the input whenever it gets to it, so the caller must not
-# change it before. Never call torch.distributed itself on a group while an op of ours may
-# be queued on it: the two threads would put their messages on the wire in a different
-# order on each rank.
+# One worker thread and queue per process group runs its ops in FIFO order, so every rank
+# runs a group's collectives in the order they were called and their messages match; other
+# groups do not wait (in 3-D the tensor-parallel all-reduce on the critical path must not
+# queue behind the data-parallel buckets). A sync call runs inline when nothing of its group
+# is queued, else queues and waits: it never overtakes. On gloo the overlap comes from the
+# threads (gloo releases the GIL while bytes move). On CUDA each worker runs on a side stream
+# that first waits for an event of the caller's stream; wait() makes the caller's stream wait
+# for an event after the op, without blocking the CPU. An async op's tensors are the op's
+# until wait(), and torch.distributed itself must not be called on a group while an op of
+# ours may be queued on it (the two threads' messages would interleave differently per rank).
 
 class Handle:
     def __init__(self, fn, device, span=None):
@@ -1329,11 +1256,9 @@ def _key(group):
 
 
 def _execute(name, tracked, fn, entry=None, span=None):
-    # The op's name is kept even when untracked, for CommError. Thread-local, as the workers
-    # and the caller each run ops (never two of one group at once: a sync op runs inline only
-    # when none of its group is queued). no_grad: grad mode is per thread, and without it a
-    # sync op queued behind async ones (so run by a worker, where grad mode is on) would record
-    # autograd history on tensors that require grad, and the same op run inline would not.
+    # The op's name is kept even when untracked, for CommError; thread-local, as workers and
+    # caller each run ops. no_grad: grad mode is per thread, and a sync op run by a worker
+    # would otherwise record autograd history that the same op run inline would not.
     _running.op = (name, tracked, entry, span)
     try:
         if span is not None:
@@ -1398,11 +1323,9 @@ def _stop_workers(timeout=None):
         _workers.clear()
 
 
-# Nothing here may keep a process group alive once its caller destroyed it: the group's C++
-# side (gloo's threads, their last work and its tensors) is freed with the last reference,
-# and freed during the interpreter's teardown it can abort the process (a C++ thread taking
-# the GIL then; torch's own issue). So the byte counts hold groups weakly, and the workers,
-# which hold theirs, are ended at exit while the interpreter is still whole.
+# Nothing here may keep a destroyed process group alive: freed during the interpreter's
+# teardown, its C++ side (gloo's threads) can abort the process. So the byte counts hold
+# groups weakly, and the workers, which hold theirs, are ended at exit while all is whole.
 atexit.register(_stop_workers, 10)
 
 

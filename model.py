@@ -1,17 +1,20 @@
 """
-The one GPT that every strategy trains, in two halves.
+The one GPT every strategy trains, then the bookkeeping they all share.
 
-The model (first, importing only torch): GPT-2 as nanoGPT writes it (pre-LayerNorm
-blocks, GELU MLP, causal self-attention through scaled_dot_product_attention, flash
-attention on a GPU, learned positions, the token embedding tied to the output head),
-its mixture-of-experts layer (--n_expert), and the seeded init one unit at a time, so
-that a sharded strategy never has to build the whole model.
+The model is everything above the fence ("# ===== the run machinery", line ~490), and needs
+nothing else of this project: GPT-2 as nanoGPT writes it (pre-LayerNorm blocks, GELU MLP,
+causal self-attention through scaled_dot_product_attention, learned positions, the token
+embedding tied to the head), its mixture-of-experts layer (--n_expert), the seeded init one
+unit at a time (so a sharded strategy never builds the whole model), and what a block keeps
+for backward (--recompute).
 
-The run machinery (after the fence): what every strategy must share for its run to
-be the same run: the data and the batch sampler, the optimizer and its schedule,
-FLOPs and MFU, the flags, the run skeleton (start, restore, begin_iter, end_iter,
-finish) with its log and per-rank stats, and checkpoints that any layout can load.
+Behind the fence, what makes every strategy's run the same run: the data and its sampler,
+the optimizer and its schedule, FLOPs and MFU, the flags (--help prints the comment on each
+flag's line), the run skeleton (start, restore, begin_iter, end_iter, finish) with its log,
+--trace, checkpoints that any layout can load, and last the memory accounting (saved_bytes,
+activation_bytes) that the strategies log and the tests check.
 """
+import glob
 import hashlib
 import json
 import math
@@ -45,7 +48,6 @@ class GPTConfig:
     n_embd: int = 768
     dropout: float = 0.0
     bias: bool = True
-    # mixture of experts, off when n_expert is 0 (see "mixture of experts" below)
     n_expert: int = 0              # experts of the MLP's shape in each block, in place of its MLP
     top_k: int = 2                 # experts each token is sent to
     capacity_factor: float = 0.0   # an expert takes at most ceil(cf·tokens·top_k/E) a micro-batch; 0: no limit
@@ -53,13 +55,9 @@ class GPTConfig:
 
 
 PRESETS = {
-    # tests: layers, heads and the test batch divide by 2, 3 and 4, so every
-    # strategy can split it at every world size the tests use
-    "tiny": dict(n_layer=12, n_head=12, n_embd=96, block_size=64),
-    # the CPU demo: small enough that two CPU processes show a falling loss in minutes
-    "small": dict(n_layer=4, n_head=4, n_embd=128, block_size=128),
-    # the pipeline bench: wide enough that a CPU's backward is its matmuls (at tiny's h = 96 it is not)
-    "wide": dict(n_layer=8, n_head=8, n_embd=512, block_size=64),
+    "tiny": dict(n_layer=12, n_head=12, n_embd=96, block_size=64),  # the tests': splits by 2, 3 and 4
+    "small": dict(n_layer=4, n_head=4, n_embd=128, block_size=128),  # the CPU demo: loss falls in minutes
+    "wide": dict(n_layer=8, n_head=8, n_embd=512, block_size=64),  # the pipeline bench: backward is matmuls
     "gpt2": dict(n_layer=12, n_head=12, n_embd=768, block_size=1024),  # 124M
     "gpt2-medium": dict(n_layer=24, n_head=16, n_embd=1024, block_size=1024),  # 350M
     "gpt2-large": dict(n_layer=36, n_head=20, n_embd=1280, block_size=1024),  # 774M
@@ -67,8 +65,8 @@ PRESETS = {
 }
 
 
-def pad_vocab(vocab_size, multiple=64):
-    return (vocab_size + multiple - 1) // multiple * multiple
+def pad_vocab(vocab_size):
+    return (vocab_size + 63) // 64 * 64
 
 
 # -----------------------------------------------------------------------------
@@ -168,41 +166,27 @@ def head(ln_f, weight, x, targets=None):
 # -----------------------------------------------------------------------------
 # mixture of experts (--n_expert=E; off by default, and then nothing here runs)
 #
-# Each block's MLP becomes E experts, each an MLP of the same shape, and a router
-# that sends every token to k of them; the block adds the chosen experts' outputs,
-# weighted by the router. The parameters grow E-fold, a token's compute k-fold.
-# The choices, and whose they are:
-#   router    a linear map h -> E logits, no bias; it and its softmax in float32
-#             whatever the autocast dtype (the Switch Transformer, Fedus et al.
-#             2021: "selective precision", bf16 rounding would flip choices)
-#   top-k     each token goes to its top_k experts (Switch: 1; GShard, Lepikhin et
-#             al. 2020, and Mixtral, Jiang et al. 2024: 2), weighted by their
-#             probabilities renormalized to sum to 1 (GShard's top-2 gates; Mixtral's
-#             softmax over the top-k logits is the same numbers). With top_k = 1 the
-#             weight is the probability itself, as in Switch: renormalized it would
-#             be 1, and the router would learn from the balance loss alone
-#   capacity  --capacity_factor=cf: an expert takes at most ceil(cf·tokens·k/E)
-#             choices of a micro-batch, tokens counting the whole global micro-batch
-#             (every data parallel rank's rows). The others skip that expert: its
-#             output for them is 0, and the residual carries the token on (Switch,
-#             GShard). Who is dropped is GShard's rule on the global order: every
-#             first choice before any second choice, and within a choice rank, the
-#             tokens in the global batch's order (rank 0's rows, then rank 1's...),
-#             so that one process and N ranks drop the same ones. 0: no limit
-#   balance   Switch's load-balancing loss E·Σ_e f_e·P_e, f_e the share of the
-#             choices that went to expert e (before any drop; no gradient), P_e its
-#             mean router probability (the gradient's path), computed per sequence
-#             and averaged, as DeepSeek-V3's sequence-wise balance loss (DeepSeek-AI
-#             2024): then it is the same however the batch is split over ranks, and
-#             costs no message. 1 when balanced, up to E/k when every token makes
-#             the same choices. The objective adds aux_loss_coef (Switch: 0.01) ×
-#             its mean over the layers; the logged `loss` stays the cross-entropy
-#             (comparable with a dense run), `aux_loss` is that mean
-#   experts   stacked tensors, c_fc (E, 4h, h) and c_proj (E, h, 4h) with biases
-#             (E, 4h) and (E, h): an expert parallel rank holds the plain slice
-#             [start, stop) of dim 0, and a checkpoint stores it as one.
-# Routing is data-dependent: how many rows each expert gets is read to the host
-# once per layer (as every MoE implementation does, to size the expert matmuls).
+# Each block's MLP becomes E experts of the MLP's shape and a router that sends every
+# token to top_k of them; the block adds the chosen experts' outputs, weighted by the
+# router. Parameters grow E-fold, a token's compute k-fold. docs/expert_parallel.md gives
+# the sources; the choices:
+#   router    a linear map h -> E, no bias; it and its softmax in float32 whatever the
+#             autocast dtype (Switch's "selective precision": bf16 would flip choices)
+#   top-k     weights renormalized to sum to 1 (GShard, Mixtral); with top_k = 1 the weight
+#             is the probability itself (Switch), or the router would learn from the balance
+#             loss alone
+#   capacity  an expert takes at most ceil(cf·tokens·k/E) choices of the GLOBAL micro-batch
+#             (every data parallel rank's rows); the others get 0 and the residual carries
+#             them. Who is dropped is GShard's order: every first choice before any second,
+#             then the global batch's order (rank 0's rows, rank 1's...), so one process and
+#             N ranks drop the same ones. 0: no limit
+#   balance   Switch's E·Σ_e f_e·P_e (f_e: share of the choices, no gradient; P_e: mean
+#             router probability), per sequence and averaged (DeepSeek-V3): the same however
+#             the batch is split, and no message. The objective adds aux_loss_coef × its mean
+#             over layers; the logged `loss` stays the cross-entropy, `aux_loss` is that mean
+#   experts   stacked: c_fc (E, 4h, h), c_proj (E, h, 4h); an expert parallel rank holds the
+#             slice [start, stop) of dim 0, and a checkpoint stores it as one
+# How many rows each expert gets is read to the host once per layer, to size its matmuls.
 
 
 class ExpertLinear(nn.Module):
@@ -361,21 +345,14 @@ def moe_loss(model):
 # init, one unit at a time
 #
 # The model is cut into units: "embed" (token and position embeddings), blocks
-# 0..n_layer-1, and "ln_f". Each unit draws its weights from its own generator,
-# seeded from (seed, unit), so any strategy can build any unit alone and get the
-# same numbers the whole-model build gives: FSDP builds one block, keeps its shard,
-# and drops the rest, and never holds the whole model.
-
-
-def unit_generator(seed, unit):
-    index = {"embed": 0, "ln_f": 1}.get(unit, None)
-    index = index if index is not None else 2 + unit
-    return torch.Generator().manual_seed(seed * 1_000_003 + index)
+# 0..n_layer-1, and "ln_f". Each draws its weights from its own generator, seeded from
+# (seed, unit), so any strategy can build any unit alone and get the numbers the whole
+# model's build gives: FSDP builds a block, keeps its shard and drops the rest.
 
 
 def build_unit(config, unit, seed):
-    """One initialized unit on the CPU: an nn.Module (a Block, the final LayerNorm,
-    or a ModuleDict with wte and wpe)."""
+    """One initialized unit on the CPU: a Block, the final LayerNorm, or a ModuleDict
+    with wte and wpe."""
     with torch.device("meta"):  # skip PyTorch's default init: we draw our own below
         if unit == "embed":
             m = nn.ModuleDict(dict(wte=nn.Embedding(config.vocab_size, config.n_embd),
@@ -385,7 +362,8 @@ def build_unit(config, unit, seed):
         else:
             m = Block(config)
     m = m.to_empty(device="cpu")
-    g = unit_generator(seed, unit)
+    index = {"embed": 0, "ln_f": 1}[unit] if unit in ("embed", "ln_f") else 2 + unit
+    g = torch.Generator().manual_seed(seed * 1_000_003 + index)
     for name, p in m.named_parameters():
         with torch.no_grad():
             if "ln" in name or isinstance(m, nn.LayerNorm):
@@ -467,14 +445,10 @@ def rerunning():
 def recompute_block(fn, x, mode="none"):
     """fn(x), a block's forward, keeping for backward what --recompute=mode says.
 
-    full is torch.utils.checkpoint without re-entrance, not a hand-written rerun: the
-    non-reentrant checkpoint keeps the autograd graph one graph (its saved tensors are
-    placeholders, filled by the rerun when backward first reads one), so torch.autograd.grad
-    with inputs=, backward in two halves (the pipeline's B and W) and gradient hooks all work
-    as without it; the re-entrant version, or the few lines that would write it by hand,
-    runs a second backward inside the first and accumulates into .grad behind their backs.
-    The checkpoint keeps x to rerun from: counted here, as the input it is (whether torch
-    saves it through the hooks differs between versions; counted by storage, it is once)."""
+    full is torch.utils.checkpoint without re-entrance: its saved tensors are placeholders
+    the rerun fills, so the graph stays one graph and autograd.grad(inputs=), the pipeline's
+    split backward (B, W) and gradient hooks work as without it (the re-entrant version runs
+    a second backward inside the first). The x it keeps is counted here, once by storage."""
     if mode == "full" and torch.is_grad_enabled():
         if _count is not None:
             _count(x)
@@ -496,10 +470,8 @@ def recompute_block(fn, x, mode="none"):
 
 
 def _pack_gelu(t):
-    """What autograd keeps of a tensor a backward will read: for a GELU's output (read by the
-    next matmul's weight gradient, often through a view of it), the GELU's input instead,
-    which the GELU's backward holds anyway, and the view's shape; the output itself is freed
-    after forward."""
+    """For a GELU's output (or a view of it: the next matmul's weight gradient reads it),
+    keep the GELU's input, which the GELU's backward holds anyway, and the view's shape."""
     node = (t if t._base is None else t._base).grad_fn
     if type(node).__name__ == "GeluBackward0":
         return node._saved_self, node._saved_approximate, t.size(), t.stride(), t.storage_offset()
@@ -513,94 +485,9 @@ def _unpack_gelu(saved):
     return F.gelu(x, approximate=approximate).as_strided(size, stride, offset)
 
 
-def saved_bytes(params, skip=None, on=True):
-    """A context that counts the bytes autograd keeps for backward (the activations),
-    leaving out the parameters, which it saves by reference. -> (context, dict
-    storage -> bytes): with counting: ...; sum(saved.values()). skip: a set of storages
-    (data_ptr) not to count either, which the caller may change as it goes (fsdp.py's
-    ZeRO-3 adds each block's gathered weights while the block computes)."""
-    if not on:  # --compile (compiled graphs take no saved-tensor hooks), or a pass not counted: a no-op
-        return nullcontext(), {}
-    skip = set() if skip is None else skip
-    skip.update(p.untyped_storage().data_ptr() for p in params)
-    seen = {}
-
-    def pack(t):
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in skip:
-            seen[storage.data_ptr()] = storage.nbytes()
-        return t
-    return _counting(pack), seen
-
-
-@contextmanager
-def _counting(pack):
-    global _count
-    before, _count = _count, pack
-    try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            yield
-    finally:
-        _count = before
-
-
-def activation_bytes(config, tokens, mode="none", tp=1, sp=False, ring=False, dtype_bytes=4, layers=None):
-    """The bytes autograd keeps between forward and backward for `layers` blocks (default:
-    all) on `tokens` tokens, as saved_bytes() counts them. h = n_embd, a = n_head, d =
-    dtype_bytes (4 for float32; LayerNorm's statistics and attention's log-sum-exp are float32
-    always), t = tp, per token per layer:
-
-        none   d·(4h + 12h/t) + 4a/t + 16      (sequence parallel: d·(2h + 14h/t) + (4a + 16)/t)
-        gelu   none - d·4h/t                   the GELU outputs, recomputed
-        full   d·h (sp: d·h/t)                 the block's input
-
-    none, term by term: LayerNorm 1 and 2 keep their input (d·h) and mean and 1/std (2·4);
-    c_attn its input (d·h); attention q, k, v (d·3h/t, one c_attn output), its output (d·h/t,
-    c_proj's input too) and a log-sum-exp per head (4a/t): SDPA's flash and CPU kernels keep
-    no s×s matrix; c_fc its input (d·h), the GELU its input (d·4h/t) and c_proj the GELU's
-    output (d·4h/t). With dropout 0 there are no masks. Tensor parallelism splits what lies
-    between f and g (heads, MLP columns); sequence parallelism also the LayerNorms' inputs
-    and statistics (the positions); c_attn and c_fc keep their all-gathered input, so the
-    2h stays whole (Megatron gathers it again in backward instead). ring: context_parallel.py's
-    ring attention keeps its output in (b, a, s, hs) order, so c_proj's (b, s, h) input is a
-    second copy: d·h more (none, gelu). Context parallelism divides `tokens` itself (s/N
-    positions a rank), the pipeline `layers` and the micro-batch. docs/memory.md derives it
-    beside Korthikanti et al. 2022's sbh(34 + 5as/h)."""
-    h, a, d, t, n = config.n_embd, config.n_head, dtype_bytes, tp, tokens
-    layers = config.n_layer if layers is None else layers
-    if mode == "full":
-        return layers * n * d * h // (t if sp else 1)
-    split = (12 * h if mode == "none" else 8 * h) + (h if ring else 0)  # what tp splits: heads, MLP columns
-    if sp:  # LayerNorms' inputs and statistics split too; c_attn's and c_fc's inputs whole
-        return layers * (n * d * 2 * h + (n * d * (split + 2 * h) + n * (4 * a + 16)) // t)
-    return layers * (n * d * 4 * h + (n * d * split + n * 4 * a) // t + n * 16)
-
-
-def ends_bytes(config, tokens, seq, embed=True, head=True, dtype_bytes=4):
-    """What autograd keeps for the model's two ends, as activation_bytes for the blocks:
-    the embedding its token ids (int64) and the `seq` position ids; the head ln_f's input
-    and statistics, the matmul's input, the log-softmax's float32 output (the logits' one
-    kept copy: V numbers a token, in small models the largest term), the target ids, and
-    the loss's 4-byte total weight."""
-    h, d, V = config.n_embd, dtype_bytes, config.vocab_size
-    return (8 * tokens + 8 * seq if embed else 0) + (tokens * (2 * d * h + 8 + 4 * V + 8) + 4 if head else 0)
-
-
-def tensor_bytes(tensors):
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
-def optimizer_state_bytes(optimizer):
-    """Adam's two moments (m and v); the per-tensor step counters are bookkeeping."""
-    return tensor_bytes(v for s in optimizer.state.values() for k, v in s.items() if k != "step")
-
-
-# =============================================================================
-# The run machinery. Everything above is the model and imports nothing of this
-# project; everything below is what every strategy file calls around its own
-# training step, so that their runs are the same run: the data and its sampler,
-# the optimizer and its schedule, FLOPs and MFU, the flags, the run skeleton and
-# its log, checkpoints. Only this part talks to the other ranks (collectives.py).
+# ============================================================================= the run machinery
+# Above: the model. Below: what every strategy calls around its own training step, so
+# that their runs are the same run. Only this part talks to the other ranks.
 # =============================================================================
 
 import collectives as C  # noqa: E402  (the model above needs no process group)
@@ -613,10 +500,9 @@ GPT2_VOCAB = 50257
 
 
 def load_data(data_dir):
-    """(train tokens, val tokens, vocab size), memory-mapped, after checking that the
-    folder is what it claims to be: whole uint16 files, not empty, and no token id
-    beyond the vocabulary (a strategy that looks up an id outside its embedding
-    either crashes or, split by vocabulary, silently trains on zeros)."""
+    """(train tokens, val tokens, vocab size), memory-mapped, after checking the files: whole
+    uint16 files, not empty, no id beyond the vocabulary (a strategy that looks one up either
+    crashes or, split by vocabulary, silently trains on zeros)."""
     paths = {s: os.path.join(data_dir, f"{s}.bin") for s in ("train", "val")}
     for p in paths.values():
         if not os.path.exists(p):
@@ -634,7 +520,8 @@ def load_data(data_dir):
         splits[s] = np.memmap(p, dtype=np.uint16, mode="r")
         # prepare.py records each split's size and largest id; trusted only if the size still matches
         known = meta.get(f"{s}_tokens") == len(splits[s]) and isinstance(meta.get("max_token_id"), int)
-        top = meta["max_token_id"] if known else max_token(splits[s])
+        top = meta["max_token_id"] if known else max(int(splits[s][i:i + (1 << 24)].max())  # in bounded chunks
+                                                     for i in range(0, len(splits[s]), 1 << 24))
         if top >= vocab_size:
             where = int(np.argmax(np.asarray(splits[s]) >= vocab_size)) if not known else None
             die(f"{p} holds token id {top}" + (f" (first at position {where})" if where is not None else "")
@@ -661,20 +548,10 @@ def read_meta(path):
     return meta
 
 
-def max_token(data, chunk=1 << 24):
-    """The largest id in a memory-mapped split, read in chunks (bounded memory)."""
-    return max(int(data[i:i + chunk].max()) for i in range(0, len(data), chunk))
-
-
 def get_batch(data, seed, step, batch_size, block_size, rows=None, split="train"):
-    """The global batch of `step`: batch_size random windows of the token stream,
-    drawn from a generator seeded by (seed, step, split), so every process, whatever
-    the strategy or world size, sees the same rows. `rows` (a slice) returns only
-    part of it, e.g. a data parallel rank's share. A window is block_size + 1 tokens
-    (inputs and the targets one token later): any of the len - block_size starts."""
-    if len(data) < block_size + 1:
-        die(f"the {split} split has {len(data)} tokens, too few for --block_size={block_size} "
-            f"(a window needs {block_size + 1})")
+    """The global batch of `step`: batch_size windows of block_size + 1 tokens (inputs, and
+    targets one later) at starts drawn from (seed, step, split), so every process, whatever
+    the strategy or world size, sees the same rows; `rows` (a slice) keeps part of them."""
     rng = np.random.default_rng([seed, step, 0 if split == "train" else 1])
     ix = rng.integers(0, len(data) - block_size, size=batch_size)
     ix = ix[rows] if rows is not None else ix
@@ -684,9 +561,8 @@ def get_batch(data, seed, step, batch_size, block_size, rows=None, split="train"
 
 
 def batch(run, step, split="train", micro_step=0, n_micro=1, dp_rank=0, dp_size=1):
-    """This rank's rows of the global batch of `step`, on its device. The batch is cut
-    into dp_size contiguous blocks, one per data parallel rank, and each block into
-    n_micro micro-batches (gradient accumulation, or a pipeline's micro-batches)."""
+    """This rank's rows of the global batch of `step`, on its device: the batch cut into
+    dp_size contiguous blocks, one per data parallel rank, each cut into n_micro micro-batches."""
     cfg = run.cfg
     micro = cfg.batch_size // (dp_size * n_micro)
     first = (dp_rank * n_micro + micro_step) * micro
@@ -698,7 +574,7 @@ def batch(run, step, split="train", micro_step=0, n_micro=1, dp_rank=0, dp_size=
 
 
 # -----------------------------------------------------------------------------
-# the optimizer run
+# the optimizer
 
 
 def get_lr(it, cfg):
@@ -732,24 +608,16 @@ def set_lr(optimizer, lr):
 
 
 def clip_coef(total_norm, max_norm):
-    """What to scale the gradients by so their global norm is at most max_norm (as
-    torch.nn.utils.clip_grad_norm_ computes it). Each strategy finds the global
-    norm its own way (summing squared norms of shards, counting replicas once). A
-    tensor norm gives a tensor coefficient: it stays on the device, no host sync."""
-    if max_norm <= 0:
-        return 1.0
-    if torch.is_tensor(total_norm):
-        return torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
-    return min(1.0, max_norm / (float(total_norm) + 1e-6))
+    """What to scale the gradients by so their global norm is at most max_norm, as
+    torch.nn.utils.clip_grad_norm_ computes it: a tensor, on the device (no host sync)."""
+    return 1.0 if max_norm <= 0 else torch.clamp(max_norm / (torch.as_tensor(total_norm) + 1e-6), max=1.0)
 
 
 def clip_by_global_norm(sq, grads, max_norm, groups=()):
     """The clip every strategy ends its step with. sq: this rank's part of the squared norm
-    of the whole model's gradient (what differs between strategies: which tensors a rank
-    counts, so that each element is counted once); its sum over each of `groups` in turn
-    (one all-reduce of one float each) is the whole model's. Then every gradient in
-    `grads` is scaled as torch.nn.utils.clip_grad_norm_ does, the coefficient a tensor on
-    the device: no host sync. -> the norm, a tensor."""
+    of the model's gradient (strategies differ only in which tensors a rank counts, so each
+    element counts once), summed over each of `groups` in turn (an all-reduce of one float
+    each); then every gradient in `grads` is scaled by clip_coef. -> the norm, a tensor."""
     for group in groups:
         C.all_reduce(sq, group=group)
     norm = sq.sqrt()
@@ -764,20 +632,17 @@ def clip_by_global_norm(sq, grads, max_norm, groups=()):
 
 
 def flops_per_token(config, n_params=None):
-    """6N for the matmuls' forward and backward, plus 12·L·H·Q·T for attention's
-    scores and weighted sum (the PaLM paper's appendix B, as nanoGPT counts). N
-    excludes the position embedding, which is a lookup, not a matmul."""
+    """6N for the matmuls' forward and backward, plus 12·L·H·Q·T for attention's scores and
+    weighted sum (PaLM's appendix B, as nanoGPT counts); N without the position embedding."""
     n_params = param_count(config) if n_params is None else n_params
     N = n_params - config.block_size * config.n_embd
     L, H, Q, T = config.n_layer, config.n_head, config.n_embd // config.n_head, config.block_size
     return 6 * N + 12 * L * H * Q * T
 
 
-# Dense (no sparsity) peaks from the vendors' data sheets, in FLOP/s: (pattern matched
-# against torch.cuda.get_device_name, bf16/fp16 tensor cores, float32 as this project
-# runs it: TF32 tensor cores where the chip has them, else plain fp32). The first
-# pattern that matches wins, so the specific names come before the general ones
-# ("H200 NVL" before "H200", "H100 PCIe" before "H100", "L40S" before "L40" before "L4").
+# Dense peaks from the data sheets, FLOP/s: (pattern for torch.cuda.get_device_name, bf16
+# tensor cores, float32 as run here: TF32 where the chip has it). The first match wins, so
+# the specific names come first ("H200 NVL" before "H200", "L40S" before "L40" before "L4").
 PEAK_FLOPS = [
     (r"H[12]00.*NVL", 835e12, 418e12),  # the PCIe NVL cards, H100 NVL and H200 NVL alike (before "H200")
     (r"GH200|H200|H100.*(SXM|HBM3)", 989e12, 494e12),
@@ -797,8 +662,7 @@ PEAK_FLOPS = [
 
 
 def peak_flops(device, override=0.0, dtype="bfloat16"):
-    """The device's peak FLOP/s for this dtype from its name, or the override; None
-    when unknown (a CPU), in which case MFU is not reported."""
+    """The device's peak FLOP/s for this dtype, or the override; None (no MFU) if unknown."""
     if override:
         return override
     if torch.device(device).type != "cuda":
@@ -814,51 +678,52 @@ def device_peak(name, dtype="bfloat16"):
 
 
 def auto_dtype():
-    """bfloat16 where the GPU computes it natively (compute capability 8.0, Ampere, or
-    newer), else float32: torch.cuda.is_bf16_supported() also counts emulation, which
-    makes a V100 or a T4 slower in bf16 than in float32."""
+    """bfloat16 where the GPU computes it natively (compute capability 8.0+), else float32:
+    torch.cuda.is_bf16_supported() counts emulation too, slower than float32 on a V100."""
     if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 8:
         return "bfloat16"
     return "float32"
 
 
 # -----------------------------------------------------------------------------
-# the command line: the flags every strategy accepts; each adds its own
+# the command line: the flags every strategy accepts; each adds its own. The comment on a
+# flag's line is its --help.
 
+HERE = os.path.dirname(os.path.abspath(__file__))
 TRAIN_DEFAULTS = dict(
-    model="small",          # size preset, see PRESETS
-    data_dir=os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "shakespeare_char"),
-    batch_size=12,          # global sequences per optimizer step, across all ranks
-    block_size=0,           # tokens per sequence; 0 takes the preset's
-    max_iters=1200,         # the CPU demo: two CPU ranks take Shakespeare's characters below val loss 2 in ~3 minutes
-    lr=2e-3,
-    min_lr=1e-4,
-    warmup_iters=100,
-    weight_decay=0.1,
-    beta1=0.9,
-    beta2=0.95,
-    grad_clip=1.0,          # 0 disables clipping
-    eval_interval=200,      # 0 disables validation
-    eval_iters=20,
-    seed=1337,
-    dropout=0.0,
-    dtype="auto",           # float32 | bfloat16 | auto (bfloat16 on a GPU of compute capability >= 8, else float32)
-    compile=False,
-    recompute="none",       # none | gelu | full: what a block keeps for backward (activation memory, below)
+    model="small",          # size preset: tiny, small, wide, gpt2, gpt2-medium, gpt2-large, gpt2-xl
+    data_dir=os.path.join(HERE, "data", "shakespeare_char"),  # train.bin and val.bin (python data/prepare.py)
+    batch_size=12,          # sequences per optimizer step, all ranks together
+    block_size=0,           # tokens per sequence (the context length); 0: the preset's
+    max_iters=1200,         # optimizer steps (two CPU ranks take Shakespeare below val loss 2 in ~3 min)
+    lr=2e-3,                # peak learning rate, after warm-up
+    min_lr=1e-4,            # learning rate at the end of the cosine decay
+    warmup_iters=100,       # steps of linear warm-up
+    weight_decay=0.1,       # AdamW's, on weight matrices and embeddings only
+    beta1=0.9,              # AdamW's first-moment decay
+    beta2=0.95,             # AdamW's second-moment decay
+    grad_clip=1.0,          # clip the gradient's global norm to this; 0: no clipping
+    eval_interval=200,      # validate every this many steps (and at the last); 0: never
+    eval_iters=20,          # validation batches each time
+    seed=1337,              # seeds the init and the batches: the same for every layout
+    dropout=0.0,            # dropout probability (0: runs compare bit for bit)
+    dtype="auto",           # float32 | bfloat16 | auto (bfloat16 on a GPU of compute capability >= 8)
+    compile=False,          # torch.compile the blocks
+    recompute="none",       # none | gelu | full: what a block keeps for backward
     deterministic=False,    # GPU parity mode: TF32 off, deterministic kernels (CPU runs are so already)
-    log_file="",            # JSON lines, one per iteration, written by rank 0
-    log_interval=50,        # print every this many iterations (the JSON log gets every one)
-    out_dir="",             # checkpoints go to out_dir/step_{k:06d}/ (off if empty)
-    ckpt_interval=0,        # save every this many iterations; 0: only at the end (with --out_dir)
+    log_file="",            # write one JSON line per step here (rank 0)
+    log_interval=50,        # print every this many steps; 0: never
+    out_dir="",             # save checkpoints to out_dir/step_XXXXXX/; empty: none
+    ckpt_interval=0,        # save every this many steps; 0: only at the end (with --out_dir)
     keep_ckpts=2,           # how many of the newest checkpoints to keep
-    resume="",              # "" start afresh | latest (newest in --out_dir, or afresh) | a checkpoint folder
-    save_path="",           # where rank 0 saves the final full state_dict (torch.save), if set
-    timeout_s=300,          # a collective that waits longer than this ends the run, naming whom it waited for
-    collectives="hand",     # hand: collectives.py's own, on point-to-point messages | torch: torch.distributed's
-    trace="",               # write a Chrome trace (Perfetto, chrome://tracing) of every rank to this file
-    trace_steps="2-4",      # the iterations it records: A-B (inclusive) or one number; warm-up stays out
-    peak_flops=0.0,         # overrides the device's peak for MFU
-    n_expert=0,             # mixture of experts: E experts in each MLP's place (0: dense); ddp.py, expert_parallel.py
+    resume="",              # latest (the newest in --out_dir, or start afresh) | a checkpoint folder
+    save_path="",           # also write the final model as one torch.save state_dict file here
+    timeout_s=300,          # seconds a rank waits for a peer before the run ends, naming it
+    collectives="hand",     # hand: collectives.py's, on point-to-point messages | torch: torch.distributed's
+    trace="",               # write a Chrome trace of every rank here (open it in ui.perfetto.dev)
+    trace_steps="2-4",      # the steps --trace records: A-B (inclusive) or one step
+    peak_flops=0.0,         # the device's peak FLOP/s for MFU; 0: from its name
+    n_expert=0,             # experts in each block's MLP (mixture of experts); 0: dense
     top_k=2,                # experts each token goes to
     capacity_factor=0.0,    # an expert takes at most ceil(cf·tokens·top_k/E) a micro-batch; 0: no limit
     aux_loss_coef=0.01,     # weight of the load-balancing loss in the objective
@@ -869,23 +734,16 @@ DIE_WAIT_S = 30  # the longest a silent rank waits for the one that prints (see 
 DIE_WAIT_OTHER_NODE_S = 5  # the same, for a rank on another node than the printer's
 
 
-def die(msg, code=2, scope="all"):
+def die(msg, scope="all"):
     """Bad input ends the run with one line on stderr and a non-zero exit, never a hang.
-    scope says who sees the problem, so it is printed once: "all" (a flag: every rank
-    checks the same thing, rank 0 prints), "node" (a file: every rank of a machine sees
-    it, local rank 0 prints), "me" (this rank alone, which prints).
+    scope says who sees the problem, so that one rank prints: "all" (a flag: rank 0), "node"
+    (a file: each machine's local rank 0), "me" (this rank).
 
-    Under torchrun the first rank to exit ends the job: the agent sends SIGTERM to the
-    others. Were a silent rank first, the rank that prints could be killed before it has
-    printed (on a busy machine it may be seconds behind, still importing torch or still
-    scanning a file). So the silent ranks wait, and the printer's own exit ends the job:
-    the line is printed once, and torchrun names the printer's code as the root cause.
-    The wait is bounded (DIE_WAIT_S) in case the printer never gets here. A rank on another
-    node than the printer's is never ended by it: agents do not watch each other's ranks,
-    so it would sit out all of DIE_WAIT_S. It waits a few seconds only, so that its agent's
-    exit (which takes the rendezvous store down, if that agent hosts it, and with it the
-    printer's agent) comes after the line. Outside torchrun (one process, or processes
-    nobody kills) there is nothing to wait for."""
+    Under torchrun the first rank to exit ends the job (its agent kills the others), so a
+    silent rank waits (at most DIE_WAIT_S) and the printer's exit ends the job: the line
+    gets out, and torchrun names the printer's code as the root cause. A rank on another
+    node than the printer's is never killed by it: it waits a few seconds only, so that its
+    agent's exit (which may take the rendezvous store down) comes after the line."""
     rank, local = os.environ.get("RANK", "0"), os.environ.get("LOCAL_RANK", "0")
     if (scope == "all" and rank == "0") or (scope == "node" and local == "0") or scope == "me":
         prefix = f"rank {rank}: " if rank != "0" and scope != "all" else ""
@@ -893,20 +751,27 @@ def die(msg, code=2, scope="all"):
     elif "TORCHELASTIC_RUN_ID" in os.environ:
         printer_here = scope == "node" or os.environ.get("GROUP_RANK", "0") == "0"  # GROUP_RANK: the node's
         time.sleep(DIE_WAIT_S if printer_here else DIE_WAIT_OTHER_NODE_S)
-    sys.exit(code)
+    sys.exit(2)
 
 
 def delay_for_tests(where="start"):
     """A test's hook: PARALLEL_GPT_DELAY="RANK:SECONDS[@WHERE]" makes that rank sleep at
-    `where`: "start" (the default: before the flags are checked), "restore" (before a
-    checkpoint is read) or an iteration's number, to show that nothing depends on which
-    rank gets there first. Unset, it costs one look-up."""
+    `where`: "start" (the default), "restore" or an iteration's number."""
     spec = os.environ.get("PARALLEL_GPT_DELAY")
     if spec:
         who, _, rest = spec.partition(":")
         seconds, _, at = rest.partition("@")
         if who == os.environ.get("RANK", "0") and (at or "start") == str(where):
             time.sleep(float(seconds))
+
+
+RENAMED = {  # a flag that was renamed -> what to pass instead
+    "grad_accum": "--n_micro",
+    "method": "--attention",
+    "cp_method": "--attention",
+    "mode": "--overlap and --bucket_mb (--mode=naive is --bucket_mb=0 --overlap=False; "
+            "--mode=bucketed is --overlap=False)",
+}
 
 
 def parse_args(defaults, argv=None, doc=""):
@@ -917,35 +782,53 @@ def parse_args(defaults, argv=None, doc=""):
     while i < len(argv):
         arg = argv[i]
         if arg in ("-h", "--help"):
-            print(doc.strip() + "\n\nflags (default):\n" + "\n".join(f"  --{k}={v}" for k, v in defaults.items()))
+            print(doc.strip() + "\n\nflags (default):\n" + flag_help(defaults))
             sys.exit(0)
         if not arg.startswith("--"):
             die(f"unexpected argument {arg!r}; flags are --name=value")
         key, eq, val = arg[2:].partition("=")
+        if key not in cfg:
+            die(f"--{key} was renamed: use {RENAMED[key]}" if key in RENAMED else f"unknown flag --{key}; see --help")
         if not eq:
             if i + 1 >= len(argv) or argv[i + 1].startswith("--"):
                 die(f"flag --{key} needs a value")
             i += 1
             val = argv[i]
-        if key not in cfg:
-            die(f"unknown flag --{key}; see --help")
         cfg[key] = _typed(key, val, defaults[key])
         i += 1
     return SimpleNamespace(**cfg)
 
 
+def flag_help(defaults):
+    """--help's lines: --name=default, then the comment on the flag's line in a `DEFAULTS =
+    dict(` block (one flag a line, closed by a ")" line), looked up in the running script,
+    then in model.py, then in this folder's other files (the mesh reuses the strategies')."""
+    main = os.path.abspath(getattr(sys.modules["__main__"], "__file__", None) or __file__)
+    notes = {}
+    for path in [main, __file__] + sorted(glob.glob(os.path.join(HERE, "*.py"))):
+        inside = False
+        for line in open(path):
+            if re.match(r"\w*DEFAULTS = dict\(", line):
+                inside = not line.rstrip().endswith(")")
+            elif line.startswith(")"):
+                inside = False
+            elif inside and (m := re.match(r"\s+(\w+)=.*?#\s*(.*)", line)):
+                notes.setdefault(m[1], m[2])
+    lines = [(f"  --{k}={v!r}" if isinstance(v, str) and v != "".join(v.split()) else f"  --{k}={v}", notes.get(k, ""))
+             for k, v in defaults.items()]
+    width = min(32, max(len(flag) for flag, _ in lines) + 2)
+    return "\n".join((flag + " " * max(2, width - len(flag)) + note).rstrip() for flag, note in lines)
+
+
 def _typed(key, val, default):
     if isinstance(default, bool):
-        if val.lower() in ("true", "1", "yes"):
-            return True
-        if val.lower() in ("false", "0", "no"):
-            return False
-        die(f"--{key} takes True or False, not {val!r}")
-    kind = {int: "an integer", float: "a number"}.get(type(default), "a string")
+        if val.lower() not in ("true", "1", "yes", "false", "0", "no"):
+            die(f"--{key} takes True or False, not {val!r}")
+        return val.lower() in ("true", "1", "yes")
     try:
         return type(default)(val)
     except ValueError:
-        die(f"--{key} takes {kind}, not {val!r}")
+        die(f"--{key} takes {({int: 'an integer', float: 'a number'}).get(type(default), 'a string')}, not {val!r}")
 
 
 def check_flags(cfg):
@@ -976,9 +859,9 @@ def check_flags(cfg):
         die("--resume=latest needs --out_dir, where the checkpoints are")
     if cfg.ckpt_interval and not cfg.out_dir:
         die("--ckpt_interval needs --out_dir, where the checkpoints go")
-    # an output that cannot be written fails now, not after hours of training
     if cfg.trace:
         cfg.trace_range = trace_range(cfg.trace_steps)
+    # an output that cannot be written fails now, not after hours of training
     for flag, path, is_dir in (("log_file", cfg.log_file, False), ("save_path", cfg.save_path, False),
                                ("out_dir", cfg.out_dir, True), ("trace", cfg.trace, False)):
         if path:
@@ -989,6 +872,20 @@ def check_flags(cfg):
                 die(f"--{flag}={path}: cannot create {folder} ({e.strerror})", scope="node")
             if not os.access(folder, os.W_OK) or (not is_dir and os.path.isdir(path)):
                 die(f"--{flag}={path}: not writable", scope="node")
+
+
+def check_moe(cfg, strategy, moe):
+    """The mixture-of-experts flags: ranges, and whether this strategy trains one."""
+    if cfg.n_expert < 0:
+        die(f"--n_expert must be at least 0 (0: the dense model), not {cfg.n_expert}")
+    if cfg.capacity_factor < 0 or cfg.aux_loss_coef < 0:
+        die(f"--capacity_factor and --aux_loss_coef must be at least 0, not {cfg.capacity_factor} and "
+            f"{cfg.aux_loss_coef}")
+    if cfg.n_expert and not moe:
+        die(f"--n_expert: the {strategy} strategy does not train a mixture of experts; "
+            f"use ddp.py (replicated experts) or expert_parallel.py")
+    if cfg.n_expert and not 1 <= cfg.top_k <= cfg.n_expert:
+        die(f"--top_k must be between 1 and --n_expert={cfg.n_expert}, not {cfg.top_k}")
 
 
 # -----------------------------------------------------------------------------
@@ -1006,8 +903,8 @@ def check_flags(cfg):
 
 @dataclass
 class Run:
-    """Everything a run carries between the skeleton's calls, made by start(); a strategy
-    reads it and sets only `layout`. The rest is filled in as the run goes."""
+    """What a run carries between the skeleton's calls, made by start(); a strategy sets
+    only `layout`."""
     cfg: SimpleNamespace          # the flags, checked
     strategy: str                 # "ddp", "fsdp", ...: written into checkpoints
     rank: int                     # this process in the world
@@ -1032,10 +929,9 @@ class Run:
 
 
 def start(cfg, strategy, moe=False):
-    """Check the common flags and the data, start the process group (with the
-    timeout), build the model's config, seed. Every rank checks the same things
-    before any communication, so bad input stops every rank at once. moe: whether
-    the strategy trains a mixture of experts (--n_expert); the others refuse it."""
+    """Check the flags and the data, start the process group, build the model's config,
+    seed: every rank checks the same things before any message, so bad input stops them
+    all at once. moe: whether the strategy trains a mixture of experts (--n_expert)."""
     delay_for_tests()
     check_flags(cfg)
     check_moe(cfg, strategy, moe)
@@ -1052,10 +948,9 @@ def start(cfg, strategy, moe=False):
     rank, world, local_rank, device = C.init_distributed(timeout_s=cfg.timeout_s)
     C.use(cfg.collectives)  # the one switch: every C.all_reduce(...) of the strategy files runs on the choice
     torch.manual_seed(cfg.seed)
-    # TF32 matmuls: ~free speed for float32 on Ampere and newer, but a float32 run then
-    # rounds its products to 10 bits of mantissa, and CUDA's embedding and attention
-    # backwards add with atomics, in whatever order the threads arrive. --deterministic
-    # turns both off, so that float32 runs on a GPU compare as they do on a CPU.
+    # TF32 rounds a float32 run's products to 10 bits of mantissa, and CUDA's embedding and
+    # attention backwards add with atomics in any order: --deterministic turns both off, so
+    # that float32 runs on a GPU compare as they do on a CPU.
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = not cfg.deterministic
     if cfg.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read when cuBLAS starts: before any matmul
@@ -1067,25 +962,10 @@ def start(cfg, strategy, moe=False):
                peak=peak_flops(device, cfg.peak_flops, cfg.dtype))
 
 
-def check_moe(cfg, strategy, moe):
-    """The mixture-of-experts flags: ranges, and whether this strategy trains one."""
-    if cfg.n_expert < 0:
-        die(f"--n_expert must be at least 0 (0: the dense model), not {cfg.n_expert}")
-    if cfg.capacity_factor < 0 or cfg.aux_loss_coef < 0:
-        die(f"--capacity_factor and --aux_loss_coef must be at least 0, not {cfg.capacity_factor} and "
-            f"{cfg.aux_loss_coef}")
-    if cfg.n_expert and not moe:
-        die(f"--n_expert: the {strategy} strategy does not train a mixture of experts; "
-            f"use ddp.py (replicated experts) or expert_parallel.py")
-    if cfg.n_expert and not 1 <= cfg.top_k <= cfg.n_expert:
-        die(f"--top_k must be between 1 and --n_expert={cfg.n_expert}, not {cfg.top_k}")
-
-
 def begin_iter(run, it, evaluate):
-    """Validation when due (before the step, as nanoGPT does), this iteration's
-    learning rate, a fresh byte counter, and the clocks (the wall's, and this process's CPU
-    time, logged as cpu_ms: ranks whose CPU time adds up to their cores' wall time are
-    bound by the host, not by each other)."""
+    """Validation when due (before the step, as nanoGPT does), the learning rate, a fresh
+    byte counter, and the clocks: the wall's, and this process's CPU time (cpu_ms: ranks
+    whose CPU time fills their cores' wall time are bound by the host)."""
     cfg = run.cfg
     delay_for_tests(it)
     run.record = {"iter": it}
@@ -1096,17 +976,15 @@ def begin_iter(run, it, evaluate):
     C.reset_bytes()
     if cfg.trace and it in cfg.trace_range:
         trace_begin(run, counting=it == cfg.trace_range[0])
-    run.cpu0 = time.process_time()  # all of this process's threads (gloo's too): is the host the bottleneck?
+    run.cpu0 = time.process_time()  # all of this process's threads, gloo's too
     run.t0 = now(run.device)
 
 
 def end_iter(run, loss, state_bytes, grad_norm=0.0, loss_ranks=None, axes=None, **per_rank):
-    """Stop the clock, save a checkpoint when one is due, gather every rank's numbers
-    by name to rank 0 and log them. loss: this rank's training loss of the step;
-    the logged loss is the mean over loss_ranks (default: all, for ranks that each
-    hold an equal share of the batch; a pipeline passes its last stage). axes: name
-    -> process group, to log the bytes sent on each (3-D parallelism). per_rank:
-    any other number, logged as a list by rank."""
+    """Stop the clock, save a checkpoint when due, gather every rank's numbers by name to
+    rank 0 and log them. loss: this rank's; the logged loss is its mean over loss_ranks
+    (default: all; a pipeline passes its last stage). axes: name -> group, to log the bytes
+    sent on each. per_rank: any other number, logged as a list by rank."""
     cfg, it = run.cfg, run.record["iter"]
     dt = elapsed(run.t0, now(run.device))
     stats = dict(loss=float(loss), comm_bytes=C.bytes_sent(), state_bytes=state_bytes,
@@ -1135,8 +1013,8 @@ def end_iter(run, loss, state_bytes, grad_norm=0.0, loss_ranks=None, axes=None, 
 
 
 def finish(run):
-    """After the loop: the final full state_dict if --save_path asks for it, and the
-    process group torn down. -> the log records (rank 0; empty elsewhere)."""
+    """After the loop: the final state_dict if --save_path asks for it, and the process
+    group torn down. -> the log records (rank 0; empty elsewhere)."""
     if run.cfg.save_path:
         save_full_state(run, run.cfg.save_path)
     C.shutdown()
@@ -1145,11 +1023,10 @@ def finish(run):
 
 
 def moe_log(run, model):
-    """The step's mixture-of-experts numbers as end_iter keywords, one value per rank
-    ({} for a dense model): aux_loss (the balance loss's mean over layers and
-    micro-steps), dropped_tokens (choices dropped at capacity, summed over layers) and
-    what a strategy's layers count besides. Into rank 0's record: expert_tokens, the
-    choices each expert took from all ranks, summed over layers. Every rank calls it."""
+    """The step's mixture-of-experts numbers as end_iter keywords ({} for a dense model):
+    aux_loss (mean over layers and micro-steps), dropped_tokens (summed over layers) and what
+    a strategy's layers count besides; and into rank 0's record expert_tokens, the choices
+    each expert took from all ranks. Every rank calls it."""
     total = {}
     for m in moe_layers(model):
         for name, v in m.tally.items():
@@ -1166,8 +1043,8 @@ def moe_log(run, model):
 
 
 def now(device):
-    """A point on the device's timeline: a CUDA event recorded on the current stream
-    (the CPU does not wait), or the CPU's clock. Read two with elapsed(), once."""
+    """A point on the device's timeline: a CUDA event recorded on the current stream (the
+    CPU does not wait), or the CPU's clock. Read two with elapsed()."""
     if device.type == "cuda":
         event = torch.cuda.Event(enable_timing=True)
         event.record()
@@ -1183,23 +1060,80 @@ def elapsed(t0, t1):
     return t0.elapsed_time(t1) / 1000
 
 
+def main_guard(main):
+    """A strategy's command-line entry: a communication timeout or Ctrl-C ends the job
+    with one line, not a traceback from every rank."""
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        main()
+    except KeyboardInterrupt:
+        if rank == 0:
+            print("interrupted" + (f"; the last checkpoint is {_last_saved}" if _last_saved else ""),
+                  file=sys.stderr, flush=True)
+        report_divergence(wait_s=3)  # every rank is stopping: a short wait for the others' records
+        os._exit(130)  # now: the other ranks are going too, so no collective may run at exit
+    except C.CommError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        report_divergence()
+        os._exit(1)
+
+
+def report_divergence(wait_s=None):
+    """The ranks that can still talk compare their last collectives (collectives.diagnose);
+    the lowest of them prints the one line saying which rank is behind where."""
+    try:
+        line, answered = C.diagnose(wait_s)
+    except Exception as e:  # the store itself gone: the job is ending anyway
+        line, answered = f"(no comparison: {type(e).__name__}: {e})", [C.get_rank()]
+    if line and C.get_rank() == min(answered):
+        print(f"diagnosis: {line}", file=sys.stderr, flush=True)
+    elif line and "TORCHELASTIC_RUN_ID" in os.environ:
+        time.sleep(2)  # the first rank out ends the job: let the one that prints get there first (see die)
+
+
+class Logger:
+    """Rank 0's log: a printed line per log_interval steps, as nanoGPT's, and a JSON record
+    per step in --log_file. A resumed run keeps the records before the step it resumes from."""
+
+    def __init__(self, cfg, rank, start_iter=0):
+        self.active, self.path, self.every = rank == 0, cfg.log_file, cfg.log_interval
+        self.records = []
+        if self.active and self.path:
+            kept = []
+            if start_iter and os.path.exists(self.path):
+                with open(self.path) as f:
+                    kept = [line for line in f if line.strip() and json.loads(line).get("iter", 0) < start_iter]
+            with open(self.path, "w") as f:
+                f.writelines(kept)
+
+    def __call__(self, r):
+        if not self.active:
+            return
+        self.records.append(r)
+        if self.path:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(r) + "\n")
+        if self.every and (r["iter"] % self.every == 0 or "val_loss" in r):  # and the last validation
+            print(f"iter {r['iter']}: loss {r['loss']:.4f}" + (f", val {r['val_loss']:.4f}" if "val_loss" in r else "")
+                  + f", time {r['dt_ms']:.1f}ms, {r['tokens_per_s']:,.0f} tok/s"
+                  + (f", mfu {100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "")
+                  + f", sent {max(r['comm_bytes']) / 1e6:.2f} MB/rank"
+                  + (f", saved step_{r['iter'] + 1:06d} ({max(r['ckpt_bytes']) / 1e6:.1f} MB/rank, "
+                     f"{max(r['ckpt_ms']):.0f} ms)" if "ckpt_ms" in r else ""), flush=True)
+
+
 # -----------------------------------------------------------------------------
 # the trace: --trace=FILE records the steps --trace_steps of every rank, and rank 0 writes
-# them as one Chrome trace (the JSON of chrome://tracing, which ui.perfetto.dev opens as
-# it is): a process per rank, its compute and its waits on one row, the communication that
-# runs asynchronously (the group's worker) on a second. The strategies mark their compute
-# with `with M.span(name):` and name the messages they send with span(name, comm=True);
-# collectives.py traces every op. Off, span() returns a shared no-op context, no clock read.
-# On a GPU the spans are CUDA events, converted once a step (on one clock: the host's at
-# the step's start); on the CPU, time.perf_counter, which every process of a machine shares
-# (ranks on several machines would be offset by their clocks' difference).
-# Every span on the compute row also carries the running count of this rank's ops and their
-# FLOPs at its ends ("at", "upto": [stamp number, FLOPs, ops]; counted in the first traced
-# step, numbers only in the others): the work between any two spans, which
-# bench/trace_replay.py replays on a modeled cluster.
+# them as one Chrome trace (ui.perfetto.dev opens it): a process per rank, its compute and
+# waits on one row, its asynchronous communication (the group's worker) on a second. The
+# strategies mark compute with `with M.span(name):` and name messages with span(name,
+# comm=True); collectives.py traces every op. Off, span() returns a shared no-op context.
+# Times are CUDA events on a GPU (read once a step, on the host's clock), else
+# time.perf_counter, which the processes of one machine share. Each compute span also
+# carries this rank's op and FLOP counts at its ends ("at", "upto": [stamp number, FLOPs,
+# ops], counted in the first traced step only): the work bench/trace_replay.py replays.
 
 _tracer = None  # while a traced step runs: (its compute spans, the device, the clock's base, the _Count)
-
 
 # The CPU's attention kernels are not in torch's FLOP registry: registered as its CUDA ones count
 # (q, k, v; the backward's grad first), once however many copies of this file are imported.
@@ -1211,12 +1145,10 @@ for _op, _formula, _n in ((torch.ops.aten._scaled_dot_product_flash_attention_fo
 
 
 class _Count(TorchDispatchMode):
-    """The ops this thread dispatches and their FLOPs, as torch's flop counter counts them
-    (matmuls and attention; the elementwise rest costs ops, not FLOPs). Thread-local: the
-    collectives' workers, whose reductions are communication, are not counted. Called: a
-    stamp [its number on this rank, FLOPs so far, ops so far]; the numbers are the issue order.
-    Counting costs a Python call an op (a third of tiny's step on a CPU), so only the first
-    traced step counts (its program is every step's): the others stamp [number, None, None]."""
+    """The ops this thread dispatches and their FLOPs, as torch's flop counter counts them;
+    thread-local, so the collectives' workers are not counted. Called: a stamp [its number,
+    FLOPs so far, ops so far]. Counting costs a Python call an op, so only the first traced
+    step counts (its program is every step's); the others stamp [number, None, None]."""
     def __init__(self, counting):
         super().__init__()
         self.seq = self.flops = self.ops = 0
@@ -1234,6 +1166,8 @@ class _Count(TorchDispatchMode):
     def __call__(self):
         self.seq += 1
         return [self.seq, self.flops, self.ops] if self.counting else [self.seq, None, None]
+
+
 _NO_SPAN = nullcontext()
 
 
@@ -1257,8 +1191,7 @@ def _compute_span(name):
 
 
 def span_between(name, t0, t1):
-    """A span from two stamps already read with now(), for an interval the log also reports:
-    the trace and the log then show one interval, not two reads of it a few instructions apart."""
+    """A span from two stamps already read with now(), for an interval the log reports too."""
     if _tracer is not None:
         _tracer[0].append(dict(name=name, cat="interval", row="main", t0=t0, t1=t1, bytes=0))
 
@@ -1280,8 +1213,7 @@ def trace_begin(run, counting=True):
     if run.device.type == "cuda":  # one point known on both clocks: the host's now and an event
         torch.cuda.synchronize(run.device)
         base = (time.perf_counter(), now(run.device))
-    # torch.compile's kernels bypass the dispatcher: a compiled run's trace has no counts
-    count = _Count(counting and not run.cfg.compile)
+    count = _Count(counting and not run.cfg.compile)  # compiled kernels bypass the dispatcher: no counts
     if count.counting:
         count.__enter__()
     _tracer = ([], run.device, base, count)
@@ -1297,9 +1229,7 @@ def trace_end(run, it):
     if count.counting:
         count.__exit__(None, None, None)
     end = count()
-    # The step's end is recorded before the device is synchronized, so that every event read
-    # below has completed: elapsed_time raises on one that has not (torch checks both events).
-    step_end = now(device)
+    step_end = now(device)  # before the synchronize, so that every event read below has completed
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -1310,22 +1240,23 @@ def trace_end(run, it):
                   at=[0, 0, 0] if count.counting else [0, None, None], upto=end)] + spans + comm
     for s in spans:
         ts = us(s["t0"])
-        event = dict(name=s["name"], cat=s["cat"], ph="X", ts=round(ts, 3), dur=round(max(0.0, us(s["t1"]) - ts), 3),
-                     pid=run.rank, tid=1 if s["row"] == "comm" else 0, args=dict(step=it))
+        args = dict(step=it)
         if s["cat"] in ("comm", "wait"):
-            event["args"].update(op=s["op"], group=s["ranks"], peers=sorted(s["peers"]), bytes=s["bytes"])
+            args.update(op=s["op"], group=s["ranks"], peers=sorted(s["peers"]), bytes=s["bytes"])
             if s.get("posted") is not None:
-                event["args"]["posted_us"] = round(us(s["posted"]), 3)
-            event["args"].update(to=s["to"], frm=s["frm"])  # {peer: [messages, bytes]} each way
+                args["posted_us"] = round(us(s["posted"]), 3)
+            args.update(to=s["to"], frm=s["frm"])  # {peer: [messages, bytes]} each way
             if s.get("of") is not None:
-                event["args"]["of"] = s["of"]  # a wait: the stamp number of the op it waits for
+                args["of"] = s["of"]  # a wait: the stamp number of the op it waits for
         if s.get("at") is not None:
-            event["args"]["at"] = s["at"]
+            args["at"] = s["at"]
             if s.get("upto") is not None and s["row"] == "main":
-                event["args"]["upto"] = s["upto"]
+                args["upto"] = s["upto"]
                 if s["cat"] == "compute" and count.counting:
-                    event["args"]["flops"] = s["upto"][1] - s["at"][1]
-        run.trace.append(event)
+                    args["flops"] = s["upto"][1] - s["at"][1]
+        run.trace.append(dict(name=s["name"], cat=s["cat"], ph="X", ts=round(ts, 3),
+                              dur=round(max(0.0, us(s["t1"]) - ts), 3), pid=run.rank,
+                              tid=1 if s["row"] == "comm" else 0, args=args))
 
 
 def write_trace(run):
@@ -1369,98 +1300,22 @@ def write_trace(run):
           flush=True)
 
 
-def main_guard(main):
-    """A strategy's command-line entry: a communication timeout or Ctrl-C ends the job
-    with one line, not a traceback from every rank."""
-    rank = int(os.environ.get("RANK", "0"))
-    try:
-        main()
-    except KeyboardInterrupt:
-        if rank == 0:
-            print("interrupted" + (f"; the last checkpoint is {_last_saved}" if _last_saved else ""),
-                  file=sys.stderr, flush=True)
-        report_divergence(wait_s=INTERRUPT_WAIT_S)
-        os._exit(130)  # now: the other ranks are going too, so no collective may run at exit
-    except C.CommError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        report_divergence()
-        os._exit(1)
-
-
-INTERRUPT_WAIT_S = 3  # after Ctrl-C every rank is stopping: a short wait for the others' records
-
-
-def report_divergence(wait_s=None):
-    """The ranks that can still talk compare their last collectives (collectives.diagnose);
-    the lowest of them prints the one line saying which rank is behind where."""
-    try:
-        line, answered = C.diagnose(wait_s)
-    except Exception as e:  # the store itself gone: the job is ending anyway
-        line, answered = f"(no comparison: {type(e).__name__}: {e})", [C.get_rank()]
-    if line and C.get_rank() == min(answered):
-        print(f"diagnosis: {line}", file=sys.stderr, flush=True)
-    elif line and "TORCHELASTIC_RUN_ID" in os.environ:
-        time.sleep(2)  # the first rank out ends the job: let the one that prints get there first (see die)
-
-
-class Logger:
-    """Rank 0's log: one printed line per iteration in nanoGPT's manner, and one JSON
-    record per iteration in --log_file. A resumed run keeps the records before the
-    step it resumes from and drops the ones after (they will be written again)."""
-
-    def __init__(self, cfg, rank, start_iter=0):
-        self.active, self.path, self.every = rank == 0, cfg.log_file, cfg.log_interval
-        self.records = []
-        if self.active and self.path:
-            kept = []
-            if start_iter and os.path.exists(self.path):
-                with open(self.path) as f:
-                    kept = [line for line in f if line.strip() and json.loads(line).get("iter", 0) < start_iter]
-            with open(self.path, "w") as f:
-                f.writelines(kept)
-
-    def __call__(self, record):
-        if not self.active:
-            return
-        self.records.append(record)
-        if self.path:
-            with open(self.path, "a") as f:
-                f.write(json.dumps(record) + "\n")
-        if self.every and (record["iter"] % self.every == 0 or "val_loss" in record):  # and the last validation
-            line = f"iter {record['iter']}: loss {record['loss']:.4f}"
-            if "val_loss" in record:
-                line += f", val {record['val_loss']:.4f}"
-            line += f", time {record['dt_ms']:.1f}ms, {record['tokens_per_s']:,.0f} tok/s"
-            if record.get("mfu") is not None:
-                line += f", mfu {100 * record['mfu']:.1f}%"
-            line += f", sent {max(record['comm_bytes']) / 1e6:.2f} MB/rank"
-            if "ckpt_ms" in record:
-                line += f", saved step_{record['iter'] + 1:06d} ({max(record['ckpt_bytes']) / 1e6:.1f} MB/rank, " \
-                        f"{max(record['ckpt_ms']):.0f} ms)"
-            print(line, flush=True)
-
-
 # -----------------------------------------------------------------------------
 # checkpoints: every rank saves what it holds, any layout loads any other
 #
-# A strategy describes what it holds as entries (name, param, index, write): `param`
-# is a tensor the optimizer updates, holding the part `index` of the model's global
-# tensor `name` (a name of GPT(config).named_parameters()):
+# A strategy describes what it holds as entries (name, param, index, write): `param` is a
+# tensor the optimizer updates, holding the part `index` of the global tensor `name` (a
+# name of GPT(config).named_parameters()):
 #   None                 the whole tensor
 #   (dim, start, stop)   global.narrow(dim, start, stop - start)
 #   [(dim, a, b), ...]   those slices of one dim, concatenated (tensor parallel's q|k|v)
 #   ("flat", start, stop) global.view(-1)[start:stop], in any shape (FSDP's shards)
-# and `write` says whether this rank saves it (a replicated tensor is saved by one
-# rank). Adam's two moments have the parameter's layout and travel with it.
-#
-# {out_dir}/step_{k:06d}/ is the state after k optimizer steps: rank{r}.pt, a plain
-# dict of tensors (loaded with weights_only=True: nothing is unpickled but tensors),
-# and manifest.json, written last: strategy, world size, layout, step, the model's
-# config, every tensor's global shape, and per file its pieces, size and sha256. The
-# folder is written as step_k.tmp and renamed only when every rank is done, so a
-# crash mid-save never leaves a checkpoint that looks complete. Loading finds the
-# pieces of each global tensor, reading a stored piece directly when it is exactly
-# the slice needed, else assembling the tensor (one at a time) and cutting it.
+# and `write` whether this rank saves it (a replica is saved once). Adam's moments travel
+# with their parameter. {out_dir}/step_{k:06d}/ is the state after k steps: rank{r}.pt, a
+# dict of tensors (loaded with weights_only=True), and manifest.json, written last (the
+# run, the model's config, every tensor's global shape, each file's pieces, size and
+# sha256). It is written as step_k.tmp and renamed once every rank is done, so a crash
+# never leaves a checkpoint that looks complete.
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 _last_saved = ""
@@ -1497,8 +1352,8 @@ def _cut(full, index):
 
 
 def save_checkpoint(run, step, folder=None):
-    """Every rank writes its pieces into one folder; rank 0 writes the manifest and
-    renames the folder into place. -> (milliseconds, bytes this rank wrote)."""
+    """Every rank writes its pieces into one folder; rank 0 writes the manifest and renames
+    the folder into place. -> (milliseconds, bytes this rank wrote)."""
     global _last_saved
     t0 = time.perf_counter()
     final = folder or os.path.join(run.cfg.out_dir, f"step_{step:06d}")
@@ -1533,13 +1388,16 @@ def save_checkpoint(run, step, folder=None):
                 files.append(json.load(f))
             os.remove(os.path.join(tmp, f"rank{r:05d}.pt.json"))
         manifest = dict(format=1, strategy=run.strategy, world=run.world, layout=run.layout, step=step,
-                        model=asdict(run.config), vocab_size=run.vocab_size, tokenizer=run.tokenizer, shapes=global_shapes(run.config), files=files)
+                        model=asdict(run.config), vocab_size=run.vocab_size, tokenizer=run.tokenizer,
+                        shapes=global_shapes(run.config), files=files)
         with open(os.path.join(tmp, "manifest.json"), "w") as f:
             json.dump(manifest, f, indent=1)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         if folder is None:
-            prune(run.cfg.out_dir, run.cfg.keep_ckpts)
+            done = checkpoints(run.cfg.out_dir)  # the oldest beyond --keep_ckpts go
+            for old in done[:max(0, len(done) - max(run.cfg.keep_ckpts, 1))]:
+                shutil.rmtree(old, ignore_errors=True)
     _last_saved = final
     return 1000 * (time.perf_counter() - t0), info["bytes"]
 
@@ -1560,15 +1418,9 @@ def checkpoints(out_dir):
     return [os.path.join(out_dir, n) for n in names if os.path.exists(os.path.join(out_dir, n, "manifest.json"))]
 
 
-def prune(out_dir, keep):
-    done = checkpoints(out_dir)
-    for old in done[:max(0, len(done) - max(keep, 1))]:
-        shutil.rmtree(old, ignore_errors=True)
-
-
 def read_manifest(folder, config=None):
-    """The manifest, after checking that it is one, that it was written for this
-    model, and that every file it names is there with its size."""
+    """The manifest, after checking that it is one, that it was written for this model, and
+    that every file it names is there with its size."""
     path = os.path.join(folder, "manifest.json")
     try:
         with open(path) as f:
@@ -1592,8 +1444,9 @@ def read_manifest(folder, config=None):
 
 
 class CheckpointReader:
-    """The global tensors of a checkpoint, read piece by piece from the rank files
-    (memory-mapped, each file checked against its sha256 when first opened)."""
+    """The global tensors of a checkpoint, read piece by piece from the rank files (memory-
+    mapped, each checked against its sha256 when first opened): a stored piece that is
+    exactly the slice asked for directly, else the whole tensor assembled (one at a time) and cut."""
 
     def __init__(self, folder, manifest):
         self.folder, self.manifest, self.opened, self.cached = folder, manifest, {}, (None, None)
@@ -1637,16 +1490,13 @@ class CheckpointReader:
 
 
 def restore(run, entries, optimizer):
-    """Remember what this rank holds (for saving), and load it from the checkpoint
-    --resume names, if any: parameters, Adam's moments and its step count, and the
-    iteration to continue from. The data sampler draws by (seed, step), so the
-    resumed run sees the batches the uninterrupted one would have."""
+    """Remember what this rank holds (for saving), and load it from the checkpoint --resume
+    names, if any: parameters, Adam's moments and step count, and the step to continue from.
+    The sampler draws by (seed, step): the resumed run sees the uninterrupted one's batches."""
     cfg = run.cfg
     run.entries, run.optimizer = entries, optimizer
     delay_for_tests("restore")
-    folder = cfg.resume
-    if folder == "latest":
-        folder = latest_checkpoint(run)
+    folder = latest_checkpoint(run) if cfg.resume == "latest" else cfg.resume
     if folder:
         manifest = read_manifest(folder, run.config)
         reader = CheckpointReader(folder, manifest)
@@ -1670,9 +1520,8 @@ def restore(run, entries, optimizer):
 
 
 def latest_checkpoint(run):
-    """The newest complete checkpoint in --out_dir ("" if none), as rank 0 sees it: every
-    rank follows rank 0's choice (one broadcast of the step), since on a shared file
-    system with caching the nodes can briefly list different newest folders."""
+    """The newest complete checkpoint in --out_dir ("" if none) as rank 0 sees it, broadcast:
+    on a shared file system with caching, nodes can briefly list different newest folders."""
     done = checkpoints(run.cfg.out_dir)
     step = torch.tensor([int(os.path.basename(done[-1])[5:]) if done else -1], device=run.device)
     if run.world > 1:
@@ -1682,8 +1531,8 @@ def latest_checkpoint(run):
 
 
 def load_full_state(folder):
-    """A checkpoint as one model.GPT state_dict (the tied head included), on the CPU:
-    for sample.py, and for --save_path."""
+    """A checkpoint as one model.GPT state_dict (the tied head included), on the CPU: for
+    sample.py, and for --save_path."""
     manifest = read_manifest(folder)
     reader = CheckpointReader(folder, manifest)
     state = {name: reader.read("param", name, None).clone() for name in manifest["shapes"]}
@@ -1700,3 +1549,75 @@ def save_full_state(run, path):
         torch.save(state, path + ".tmp")
         os.replace(path + ".tmp", path)
         shutil.rmtree(parts, ignore_errors=True)
+
+
+# -----------------------------------------------------------------------------
+# memory accounting: what autograd keeps for backward (counted, and as a formula), and the
+# state a rank holds; the strategies log it and the tests hold the formulas to the counts
+
+def saved_bytes(params, skip=None, on=True):
+    """-> (a context counting the bytes autograd keeps for backward, {storage: bytes}),
+    parameters left out. skip: storages (data_ptr) not to count either, which the caller
+    may grow as it goes (ZeRO-3's gathered weights)."""
+    if not on:  # --compile (compiled graphs take no saved-tensor hooks), or a pass not counted: a no-op
+        return nullcontext(), {}
+    skip = set() if skip is None else skip
+    skip.update(p.untyped_storage().data_ptr() for p in params)
+    seen = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in skip:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+    return _counting(pack), seen
+
+
+@contextmanager
+def _counting(pack):
+    global _count
+    before, _count = _count, pack
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            yield
+    finally:
+        _count = before
+
+
+def activation_bytes(config, tokens, mode="none", tp=1, sp=False, ring=False, dtype_bytes=4, layers=None):
+    """The bytes autograd keeps between forward and backward for `layers` blocks (default:
+    all) on `tokens` tokens, as saved_bytes() counts them; per token per layer, with h =
+    n_embd, a = n_head, d = dtype_bytes, t = tp (docs/memory.md derives it term by term):
+
+        none   d·(4h + 12h/t) + 4a/t + 16      (sequence parallel: d·(2h + 14h/t) + (4a + 16)/t)
+        gelu   none - d·4h/t                   the GELU outputs, recomputed
+        full   d·h (sp: d·h/t)                 the block's input
+
+    ring: context_parallel.py's ring keeps its output in (b, a, s, hs) order besides c_proj's
+    (b, s, h) input: d·h more (none, gelu)."""
+    h, a, d, t, n = config.n_embd, config.n_head, dtype_bytes, tp, tokens
+    layers = config.n_layer if layers is None else layers
+    if mode == "full":
+        return layers * n * d * h // (t if sp else 1)
+    split = (12 * h if mode == "none" else 8 * h) + (h if ring else 0)  # what tp splits: heads, MLP columns
+    if sp:  # LayerNorms' inputs and statistics split too; c_attn's and c_fc's inputs whole
+        return layers * (n * d * 2 * h + (n * d * (split + 2 * h) + n * (4 * a + 16)) // t)
+    return layers * (n * d * 4 * h + (n * d * split + n * 4 * a) // t + n * 16)
+
+
+def ends_bytes(config, tokens, seq, embed=True, head=True, dtype_bytes=4):
+    """What autograd keeps for the model's two ends: the embedding its token and `seq`
+    position ids (int64); the head ln_f's input and statistics, the matmul's input, the
+    log-softmax's float32 output (V numbers a token: in small models the largest term), the
+    target ids and the loss's 4-byte total weight."""
+    h, d, V = config.n_embd, dtype_bytes, config.vocab_size
+    return (8 * tokens + 8 * seq if embed else 0) + (tokens * (2 * d * h + 8 + 4 * V + 8) + 4 if head else 0)
+
+
+def tensor_bytes(tensors):
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def optimizer_state_bytes(optimizer):
+    """Adam's two moments (m and v); the per-tensor step counters are bookkeeping."""
+    return tensor_bytes(v for s in optimizer.state.values() for k, v in s.items() if k != "step")

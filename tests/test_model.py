@@ -207,6 +207,18 @@ def test_parse_args_forms():
         assert e.value.code == 2
 
 
+def test_help_is_one_line_a_flag_with_its_comment():
+    """--help: --name=default, then the comment on the flag's line in its DEFAULTS dict. Every
+    common flag has one; a string default with whitespace is shown as Python writes it."""
+    r = python("sample.py", ["--help"], timeout=60)
+    assert r.returncode == 0 and "--start='\\n'" in r.stdout and "the prompt" in r.stdout, r.stdout
+    lines = M.flag_help(M.TRAIN_DEFAULTS).splitlines()
+    assert len(lines) == len(M.TRAIN_DEFAULTS)
+    for line, (k, v) in zip(lines, M.TRAIN_DEFAULTS.items()):
+        flag, _, note = line.strip().partition("  ")
+        assert flag == f"--{k}={v}" and note.strip(), line
+
+
 @pytest.mark.parametrize("args, message", [
     (["--data_dir=/nonexistent"], "no /nonexistent/train.bin"),
     (["--model=huge"], "unknown --model 'huge'"),
