@@ -262,7 +262,7 @@ def attend_backward(q, k, v, dout, lse, delta, scale, causal):
 # independent. So for the length of attention, swap what is split: one all-to-all turns
 # "my s/N positions, all H heads" into "every position, my H/N heads", each rank runs
 # ordinary attention on whole sequences, and a second all-to-all turns the output back;
-# backward is the same two exchanges reversed, by autograd (_AllToAll). The attention in
+# backward is the same two exchanges reversed (C.all_to_all_rows), by autograd. The attention in
 # between can be any kernel (flash attention on a GPU, unchanged: no log-sum-exp to
 # merge); here it is the ring's own math on a ring of one, the one-process run's, so that
 # the bench compares the messages, not two kernels. A rank sends (N-1)/N of four tensors
@@ -272,41 +272,35 @@ def attend_backward(q, k, v, dout, lse, delta, scale, causal):
 # put in position order before attention, and back in the ranks' order after it.
 
 
-def seq_to_heads(x, ring, order):
-    """(..., H, s/N, D) at my positions -> (..., H/N, s, D): my heads, every position in
-    order. order: the global position of each row that arrives (rank 0's first)."""
+def seq_to_heads(x, ring):
+    """(..., H, s/N, D) at my positions -> (..., H/N, s, D): my heads, every position in order."""
     send = torch.stack(x.chunk(ring.n, dim=-3))  # (N, ..., H/N, s/N, D): part j, heads group j, to rank j
-    recv = torch.empty_like(send)
-    C.all_to_all(recv, send, group=ring.group)  # part i: rank i's positions of my heads
-    return torch.cat(recv.unbind(0), dim=-2)[..., torch.argsort(order), :]  # zigzag: back into position order
+    parts = C.all_to_all_rows(send, group=ring.group, name="to heads").unbind(0)  # part i: rank i's positions
+    if ring.layout == "zigzag":  # part i is chunks i and 2N-1-i: the early halves in order, then the late reversed
+        halves = [p.chunk(2, dim=-2) for p in parts]
+        parts = [h[0] for h in halves] + [h[1] for h in halves[::-1]]
+    return torch.cat(parts, dim=-2)
 
 
-def heads_to_seq(y, ring, order):
+def heads_to_seq(y, ring):
     """seq_to_heads's inverse: (..., H/N, s, D) -> (..., H, s/N, D) at my positions."""
-    send = torch.stack(y[..., order, :].chunk(ring.n, dim=-2))  # (N, ..., H/N, s/N, D): part i, rank i's positions
-    recv = torch.empty_like(send)
-    C.all_to_all(recv, send, group=ring.group)  # part j: my positions of rank j's heads
+    if ring.layout == "zigzag":  # rank i's positions: chunks i and 2N-1-i of 2N
+        c = y.chunk(2 * ring.n, dim=-2)
+        parts = [torch.cat([c[i], c[2 * ring.n - 1 - i]], dim=-2) for i in range(ring.n)]
+    else:
+        parts = y.chunk(ring.n, dim=-2)
+    recv = C.all_to_all_rows(torch.stack(parts), group=ring.group, name="to positions")  # part j: rank j's heads
     return torch.cat(recv.unbind(0), dim=-3)
 
 
-class _AllToAll(torch.autograd.Function):
-    """seq_to_heads (to_heads) or heads_to_seq; the gradient goes back by the other."""
-
-    @staticmethod
-    def forward(ctx, x, ring, order, to_heads, clock):
-        ctx.ring, ctx.order, ctx.to_heads, ctx.clock = ring, order, to_heads, clock
-        return exchange(x, ring, order, to_heads, clock, "")
-
-    @staticmethod
-    def backward(ctx, grad):
-        return exchange(grad, ctx.ring, ctx.order, not ctx.to_heads, ctx.clock, " (backward)"), None, None, None, None
-
-
-def exchange(x, ring, order, to_heads, clock, when):
-    """One of the two exchanges, timed as "wait": nothing overlaps it, all of it is exposed."""
-    name = "to heads" if to_heads else "to positions"
-    with clock("wait"), M.span(f"all_to_all {name}{when} ({x.numel() * x.element_size() / 1e6:.1f} MB)", comm=True):
-        return (seq_to_heads if to_heads else heads_to_seq)(x.contiguous(), ring, order)
+def exchange(x, ring, to_heads, clock):
+    """One of the two exchanges, its forward and (clock.backward) its backward timed as
+    "wait": nothing overlaps them, all of it is exposed."""
+    with clock("wait"):
+        y = (seq_to_heads if to_heads else heads_to_seq)(x, ring)
+    if y.requires_grad and hasattr(clock, "backward"):
+        clock.backward("wait", x, y)
+    return y
 
 
 ALONE = types.SimpleNamespace(me=0, n=1, layout="contiguous")  # a ring of one: one block, no messages
@@ -317,12 +311,10 @@ ALONE = types.SimpleNamespace(me=0, n=1, layout="contiguous")  # a ring of one: 
 def ulysses_attention(q, k, v, ring, clock=None):
     """Causal attention of this rank's q over the sequence all ranks hold, (B, H, s/N, D)
     each, H divisible by N; returns q's dtype. The same Ring (group, layout) as the ring's."""
-    # the global position of each row of the gathered sequence: rank 0's rows first
-    order = torch.cat([positions(q.shape[2] * ring.n, r, ring.n, ring.layout, q.device) for r in range(ring.n)])
     clock = clock or untimed
-    qkv = _AllToAll.apply(torch.stack([q, k, v]), ring, order, True, clock)  # one message for all three
+    qkv = exchange(torch.stack([q, k, v]), ring, True, clock)  # one message for all three
     y = RingAttention.apply(*qkv.unbind(0), ALONE, clock)  # (B, H/N, s, D): whole sequences, causal
-    return _AllToAll.apply(y, ring, order, False, clock)
+    return exchange(y, ring, False, clock)
 
 
 ATTENTION = dict(ring=ring_attention, ulysses=ulysses_attention)
@@ -348,17 +340,6 @@ def forward(model, idx, targets, pos, recompute="none"):
     for block in t.h:
         x = M.recompute_block(block, x, recompute)
     return M.head(t.ln_f, model.lm_head.weight, x, targets)[1]
-
-
-def grad_buffer(params):
-    """Every gradient as a view into one flat buffer (as ddp.py's buckets): one
-    all-reduce averages them all, with no copy in or out."""
-    flat = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
-    offset = 0
-    for p in params:
-        p.grad = flat[offset:offset + p.numel()].view_as(p)
-        offset += p.numel()
-    return flat
 
 
 def main(argv=None):
@@ -389,7 +370,6 @@ def main(argv=None):
     params = list(model.parameters())  # the tied matrix once
     for t in params + list(model.buffers()):
         C.broadcast(t.data, src=C.group_ranks(group)[0], group=group)
-    flat = grad_buffer(params) if world > 1 else None
     optimizer = M.make_optimizer(model.named_parameters(), cfg, device)
     M.restore(run, [(n, p, None, rank == 0) for n, p in model.named_parameters()], optimizer)
     step_forward = torch.compile(forward) if cfg.compile else forward
@@ -416,10 +396,7 @@ def main(argv=None):
         M.begin_iter(run, it, evaluate)
         # ---------------------------------------------------------------- the training step
         clock.reset()  # validation's attention is not the step's
-        if flat is not None:
-            flat.zero_()
-        else:
-            optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad(set_to_none=True)
         x, y = M.batch(run, it)  # every row of the global batch...
         x, y = x[:, pos], y[:, pos]  # ...at this rank's positions
         counting, saved = M.saved_bytes(params, on=not cfg.compile)
@@ -428,15 +405,13 @@ def main(argv=None):
         with M.span("backward"):
             loss.backward()  # the ring runs again, backward, inside
         with M.span("optimizer"):
-            if flat is not None:
-                C.all_reduce(flat, op="avg", group=group)  # the replicated weights' gradients, once a step
+            C.all_reduce_flat([p.grad for p in params], group=group)  # the replicated weights' gradients, once a step
             # after the all-reduce every rank holds the same gradients, so the local norm is the global norm
             norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip) if cfg.grad_clip else 0.0
             optimizer.step()
         # ---------------------------------------------------------------- end of the training step
         ms = clock.take_ms()
-        grads = [flat] if flat is not None else [p.grad for p in params]
-        state = M.tensor_bytes(params) + M.tensor_bytes(grads) + M.optimizer_state_bytes(optimizer)
+        state = M.tensor_bytes(params) + M.tensor_bytes(p.grad for p in params) + M.optimizer_state_bytes(optimizer)
         M.end_iter(run, loss=loss.item(), grad_norm=norm, state_bytes=state, act_bytes=sum(saved.values()),
                    attn_ms=ms["attn"], attn_wait_ms=ms["wait"])
     return M.finish(run)
@@ -458,6 +433,12 @@ class Clock:
         t0 = M.now(self.device)
         yield
         self.spans[kind].append((t0, M.now(self.device)))
+
+    def backward(self, kind, x, y):
+        """Times autograd's way back from y to x as `kind`: from y's gradient to x's."""
+        start = []
+        y.register_hook(lambda grad: start.append(M.now(self.device)))
+        x.register_hook(lambda grad: self.spans[kind].append((start.pop(), M.now(self.device))))
 
     def reset(self):
         for spans in self.spans.values():

@@ -86,48 +86,6 @@ class _ReduceFromParallelRegion(torch.autograd.Function):
         return grad, None
 
 
-class _GatherFromSequenceParallelRegion(torch.autograd.Function):
-    """f with sequence parallelism: all-gather the sequence, (s/N, b, h) -> (s, b, h).
-    Backward: the gradient for the whole sequence is partial on each rank (as in f),
-    and each rank needs only its positions of the sum: a reduce-scatter."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        out = x.new_empty((C.get_world_size(group) * x.shape[0], *x.shape[1:]))
-        with M.span("all_gather f (forward)", comm=True):
-            C.all_gather(out, x, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        out = grad.new_empty((grad.shape[0] // C.get_world_size(ctx.group), *grad.shape[1:]))
-        with M.span("reduce_scatter f (backward)", comm=True):
-            C.reduce_scatter(out, grad, group=ctx.group)
-        return out, None
-
-
-class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
-    """g with sequence parallelism: sum the partial outputs and keep this rank's
-    positions, (s, b, h) -> (s/N, b, h). Backward: every rank needs the gradient of the
-    whole sequence: an all-gather."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        out = x.new_empty((x.shape[0] // C.get_world_size(group), *x.shape[1:]))
-        with M.span("reduce_scatter g (forward)", comm=True):
-            C.reduce_scatter(out, x, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        out = grad.new_empty((C.get_world_size(ctx.group) * grad.shape[0], *grad.shape[1:]))
-        with M.span("all_gather g (backward)", comm=True):
-            C.all_gather(out, grad, group=ctx.group)
-        return out, None
-
-
 # torch.compile runs these eagerly (a graph break) and compiles the math in between
 @torch.compiler.disable
 def copy_to_parallel_region(x, group=None):
@@ -145,16 +103,14 @@ def reduce_from_parallel_region(x, group=None):
 @torch.compiler.disable
 def gather_from_sequence_parallel_region(x, group=None):
     """f with sequence parallelism: (s/N, b, h) in the matmul's dtype, all-gathered to
-    (s, b, h); the gradient reduce-scattered."""
-    x = as_matmul_input(x)
-    return x if C.get_world_size(group) == 1 else _GatherFromSequenceParallelRegion.apply(x, group)
+    (s, b, h); backward, the gradient (partial on each rank, as in f) reduce-scattered."""
+    return C.all_gather_rows(as_matmul_input(x), group, name="f")
 
 
-@torch.compiler.disable
 def reduce_scatter_to_sequence_parallel_region(x, group=None):
     """g with sequence parallelism: (s, b, h) partial sums reduce-scattered to (s/N, b, h);
-    the gradient all-gathered."""
-    return x if C.get_world_size(group) == 1 else _ReduceScatterToSequenceParallelRegion.apply(x, group)
+    backward, the gradient all-gathered: every rank needs the whole sequence's."""
+    return C.reduce_scatter_rows(x, group, name="g")
 
 
 def region_ops(sp):
@@ -319,10 +275,15 @@ def sharded_param(full, dim, group, parts=1):
 # same masks; Megatron forks a per-rank generator there.
 
 
-def parallel_block(block, group=None, sp=False):
-    """A model.Block cut down to this rank's heads and MLP columns (in place)."""
+def parallel_block(block, group=None, sp=False, moe=None):
+    """A model.Block cut down to this rank's heads and MLP columns (in place). A mixture of
+    experts' block (parallel_nd.py) keeps its MLP's place for moe(block.mlp), the layer that
+    replaces model.MoE there (expert_parallel.ExpertParallelMoE), not tp-split."""
     block.attn.c_attn = ColumnParallelLinear(block.attn.c_attn, group, sp, parts=3)
     block.attn.c_proj = RowParallelLinear(block.attn.c_proj, group, sp)
+    if moe is not None:
+        block.mlp = moe(block.mlp)
+        return block
     block.mlp.c_fc = ColumnParallelLinear(block.mlp.c_fc, group, sp)
     block.mlp.c_proj = RowParallelLinear(block.mlp.c_proj, group, sp)
     return block
@@ -406,18 +367,6 @@ def checkpoint_entries(model, group=None):
 # the gradient: replicas, and the global norm
 
 
-def sum_replicated_grads(replicated, group=None):
-    """Sequence parallel only: a replicated parameter (LayerNorm, row-parallel bias,
-    position embedding) met only this rank's positions, so its gradient is a partial
-    sum: all-reduce them, all packed in one float32 message."""
-    if C.get_world_size(group) == 1:
-        return
-    flat = torch.cat([p.grad.reshape(-1) for p in replicated])
-    C.all_reduce(flat, group=group)
-    for p, g in zip(replicated, flat.split([p.numel() for p in replicated])):
-        p.grad.copy_(g.view_as(p))
-
-
 def grad_sq_norm(sharded, replicated, group=None):
     """This rank's share of the squared norm of the whole model's gradient: its shards,
     and the replicas on the group's first rank only (every rank holds the same replica
@@ -490,8 +439,8 @@ def main(argv=None):
         # all-reduce hands every rank the same sum), so every rank computes the same
         # gradient, takes the same AdamW step, and the copies never drift apart.
         with M.span("optimizer"):
-            if sp:
-                sum_replicated_grads(replicated, group)
+            if sp:  # a replica met only this rank's positions: its gradient is a partial sum
+                C.all_reduce_flat([p.grad for p in replicated], op="sum", group=group)
             norm = clip_global_norm(sharded, replicated, cfg.grad_clip, group) if cfg.grad_clip else 0.0
             optimizer.step()
         # ---------------------------------------------------------------- end of the training step
