@@ -24,14 +24,14 @@ block that already arrived), and merges each block's partial result exactly by t
 online softmax's log-sum-exp rule. Backward sends the blocks round again, each block's
 gradient following it home. The weights are replicated (16Ψ bytes of weights, gradients
 and Adam state per rank, as in DDP), so their gradients are averaged once a step.
---layout=zigzag (the default) balances the causal work over the ranks (see positions());
-the log's attn_ms and attn_wait_ms show it, act_bytes the 1/N. traffic_per_rank() has
-the bytes.
-
+--layout=zigzag (the default) balances the causal work over the ranks (see positions()).
 --attention=ulysses (DeepSpeed-Ulysses) sends heads instead of keys: an all-to-all before
 attention gives each rank every position of H/N heads, one after it gives the positions
-back (see ulysses_attention()). Fewer bytes than the ring, none of them hidden behind
-compute, and the heads must divide into N.
+back. Fewer bytes than the ring, none of them hidden behind compute, and N must divide the heads.
+
+The lesson is everything above main(); below the fence after it, the instruments: the
+clock behind the log's attn_ms and attn_wait_ms, and the byte formulas the tests hold the
+log to (docs/context_parallel.md derives them).
 """
 import functools
 import math
@@ -43,9 +43,12 @@ import torch
 import collectives as C
 import model as M
 
-DEFAULTS = dict(M.TRAIN_DEFAULTS, layout="zigzag", attention="ring")
+DEFAULTS = dict(
+    M.TRAIN_DEFAULTS,
+    layout="zigzag",        # contiguous | zigzag: which positions each rank holds (zigzag balances the causal work)
+    attention="ring",       # ring: K and V passed round the ranks | ulysses: two all-to-alls around attention
+)
 LAYOUTS = ("contiguous", "zigzag")
-METHODS = ("ring", "ulysses")
 
 # -----------------------------------------------------------------------------
 # the layout: which positions each rank holds
@@ -261,15 +264,11 @@ def attend_backward(q, k, v, dout, lse, delta, scale, causal):
 # Attention is the only place where a position needs the others, and every head is
 # independent. So for the length of attention, swap what is split: one all-to-all turns
 # "my s/N positions, all H heads" into "every position, my H/N heads", each rank runs
-# ordinary attention on whole sequences, and a second all-to-all turns the output back;
-# backward is the same two exchanges reversed (C.all_to_all_rows), by autograd. The attention in
-# between can be any kernel (flash attention on a GPU, unchanged: no log-sum-exp to
-# merge); here it is the ring's own math on a ring of one, the one-process run's, so that
-# the bench compares the messages, not two kernels. A rank sends (N-1)/N of four tensors
-# of b·(s/N)·h a layer forward (q, k, v, the output) and four backward: 4/(3N) of the
-# ring's bytes in float32, 1/N in bfloat16 (traffic_per_rank); but nothing computes while
-# they travel, and N cannot exceed the number of heads. Any layout works: what arrives is
-# put in position order before attention, and back in the ranks' order after it.
+# ordinary attention on whole sequences, and a second all-to-all turns the output back.
+# Backward is autograd's: C.all_to_all_rows sends the gradients back the way they came,
+# through the reshapes around it. The attention in between can be any kernel; here it is
+# the ring's own math on a ring of one, the one-process run's, so that the bench compares
+# the messages, not two kernels.
 
 
 def seq_to_heads(x, ring):
@@ -346,7 +345,7 @@ def main(argv=None):
     cfg = M.parse_args(DEFAULTS, argv, __doc__)
     if cfg.layout not in LAYOUTS:
         M.die(f"--layout takes contiguous or zigzag, not {cfg.layout!r}")
-    if cfg.attention not in METHODS:
+    if cfg.attention not in ATTENTION:
         M.die(f"--attention takes ring or ulysses, not {cfg.attention!r}")
     if cfg.dropout:
         M.die("context_parallel.py needs --dropout=0: the ring's hand-written attention backward recomputes "
@@ -464,31 +463,14 @@ def activation_per_rank(config, cfg, world):
 
 
 def traffic_per_rank(config, cfg, world):
-    """Bytes a rank sends per optimizer step. With b rows, s tokens, h = n_embd, L layers,
-    Ψ parameters, a = 4 bytes in float32 or 2 in bfloat16 for the activations:
-
-      ring (K and V travel; their gradients in float32)
-        forward    L · (N-1) · 2·b·(s/N)·h · a      K and V of one rank's positions, N-1 hops
-                                                    (twice with --recompute=full: backward reruns it)
-        backward   L · (N-1) · 2·b·(s/N)·h · a      the same blocks again (forward kept only its own)
-                 + L · (N-1) · 2·b·(s/N)·h · 4      their gradients dK, dV, N-1 hops, the last one home
-      ulysses (the heads travel; every gradient in the activations' dtype)
-        forward    L · (N-1)/N · 4·b·(s/N)·h · a    q, k, v to heads and the output back, each rank
-                                                    keeping its own 1/N (twice with --recompute=full)
-        backward   L · (N-1)/N · 4·b·(s/N)·h · a    the output's gradient to heads, dq, dk, dv back
-      both
-        weights    2(N-1)/N · 4Ψ                    one ring all-reduce of every gradient
-
-    so for attention the ring sends 2(N-1)/N · L·b·s·h·(2a + 4) bytes, about as much as
-    tensor parallel's activations, and Ulysses 8(N-1)/N² · L·b·s·h·a: 4/(3N) of the ring's
-    in float32, 1/N in bfloat16. But each hop of the ring moves O(b·(s/N)·h) bytes while
-    the block it overlaps costs O(b·(s/N)²·h) FLOPs, so once s/N is long enough its
-    transfers hide behind compute; Ulysses' cannot hide (attention needs all of q, k, v).
-    The ring's skipped future blocks are still sent: in a ring every block passes every
-    rank on its way to those that need it (under zigzag every rank needs half of every
-    other block), and each step is the same exchange on every rank; so the bytes do not
-    shrink. The attention terms are exact on every rank; the all-reduce's is exact when N
-    divides Ψ, else the mean over ranks (the ring's chunks differ by an element)."""
+    """Bytes a rank sends per optimizer step (docs/context_parallel.md, "What each sends"), with
+    b rows, s tokens, h = n_embd, L layers, a = 4 bytes in float32 or 2 in bfloat16:
+      ring     L·(N-1)·2·b·(s/N)·h · (a forward + a + 4 backward): K and V hop N-1 times each
+               way, their gradients in float32 (the forward again under --recompute=full)
+      ulysses  L·(N-1)/N·4·b·(s/N)·h·a each way: q, k, v and the output (the forward again too)
+      both     2(N-1)/N·4Ψ: one ring all-reduce of the gradients
+    The attention terms are exact on every rank; the all-reduce's is exact when N divides Ψ,
+    else the mean over ranks (the ring's chunks differ by an element)."""
     if world == 1:
         return 0
     b, s, h, L = cfg.batch_size, config.block_size, config.n_embd, config.n_layer

@@ -20,13 +20,14 @@ reach the ranks that hold the experts they chose, and come back:
   combine   the reverse all-to-all brings the outputs home; the router weights
             mix them there. Backward is the same two all-to-alls, reversed.
 
---dispatch=allgather, the simple alternative: every rank all-gathers the whole global micro-batch and its routing, runs its
-experts on the choices routed to them, and a reduce-scatter sums the partial outputs
-back to their ranks; backward, the same pair reversed. An expert's gradient arrives
-through these exchanges from every rank's tokens, so it is never all-reduced; the
-replicated weights' gradients are averaged with one all-reduce a step.
-traffic_per_rank() gives the bytes sent, activation_per_rank() those autograd keeps; the log
-adds the experts' loads and the drops.
+--dispatch=allgather, the simple alternative: every rank all-gathers the global micro-batch
+and its routing, runs its experts on the choices routed to them, and a reduce-scatter sums
+the partial outputs back to their ranks; backward, the same pair reversed. An expert's
+gradient arrives through these exchanges from every rank's tokens, so it is never
+all-reduced; the replicated weights' gradients are averaged with one all-reduce a step.
+
+The lesson is everything above main(); below the fence after it, the log's MoE fields (the
+experts' loads, the drops) and the byte formulas the tests hold the log to.
 """
 
 import torch
@@ -35,7 +36,11 @@ import torch.nn.functional as F
 import collectives as C
 import model as M
 
-DEFAULTS = dict(M.TRAIN_DEFAULTS, n_expert=4, dispatch="alltoall")
+DEFAULTS = dict(
+    M.TRAIN_DEFAULTS,
+    n_expert=4,             # experts per MoE layer, E: a multiple of the ranks
+    dispatch="alltoall",    # alltoall: each row to its expert's rank and back | allgather: every rank gets every row
+)
 DISPATCH = ("alltoall", "allgather")
 
 # ----------------------------------------------------------------------------- the layer
@@ -135,10 +140,16 @@ def transpose_blocks(x, counts):
     rows, cols = counts.shape
     return torch.cat([blocks[i * cols + j] for j in range(cols) for i in range(rows)])
 
-def named_experts(model):
-    """[(name, parameter)]: this rank's experts, E/N of each MoE layer."""
-    return [(n, p) for n, p in model.named_parameters() if hasattr(p, "ep_index")]
 
+@torch.compiler.disable
+def gather_all(t, group=None):
+    """Every rank's t on every rank, (N, *t.shape): an all-gather, no gradient (the choice
+    counts, or under allgather the choices themselves)."""
+    out = t.new_empty(C.get_world_size(group), *t.shape)
+    C.all_gather(out, t.contiguous(), group=group)
+    return out
+
+# ----------------------------------------------------------------------------- on the mesh: the balance loss per whole sequence
 
 def balance_loss(probs, chosen, cp_group=None):
     """model.balance_loss on (s, b, E) probabilities and (s, b, k) choices: E·Σ_e f_e·P_e per
@@ -184,17 +195,12 @@ class _AuxLoss(torch.autograd.Function):
     def backward(ctx, grad):
         return grad, ctx.scale, None
 
-# ----------------------------------------------------------------------------- the messages
-
-@torch.compiler.disable
-def gather_all(t, group=None):
-    """Every rank's t on every rank, (N, *t.shape): an all-gather, no gradient (the choice
-    counts, or under allgather the choices themselves)."""
-    out = t.new_empty(C.get_world_size(group), *t.shape)
-    C.all_gather(out, t.contiguous(), group=group)
-    return out
-
 # ----------------------------------------------------------------------------- the step's gradient
+
+def named_experts(model):
+    """[(name, parameter)]: this rank's experts, E/N of each MoE layer."""
+    return [(n, p) for n, p in model.named_parameters() if hasattr(p, "ep_index")]
+
 
 def clip_global_norm(replicated, experts, max_norm, group=None):
     """The whole model's gradient norm: the replicas' squares once (every rank has the
@@ -300,29 +306,22 @@ def moe_stats(run, model, local):
 
 def exchange_bytes(config, cfg, world, sent=None, received=None):
     """Bytes a rank sends per step at the MoE layers. sent, received: the rows this rank
-    dispatched to other ranks' experts and received from other ranks in the step's
-    forward, summed over the layers: then it is exact; without them, the expectation
-    under uniform routing (the allgather dispatch's is exact).
-
-    A rank routes n = b·s/N tokens to k experts at each of L layers; rows are h wide,
-    `act` bytes a number (4; 2 under bf16 autocast, which the rows travel in).
-      alltoall   the counts' all-gather sends (N-1)·E·k·8 bytes (int64); each of the four
-                 all-to-alls (dispatch and combine, forward and backward) sends what this
-                 rank sends others and then what it received from them:
-                 2·(sent + received)·h·act. Under uniform routing a rank keeps 1/N of its
-                 n·k choices and sends the rest, and as many arrive: 4(N-1)/N·n·k·h·act.
-      allgather  the all-gather of the n·k choices, (N-1)·n·k·8; of the n tokens,
-                 (N-1)·n·h·act; the reduce-scatter of the N·n·k outputs, (N-1)·n·k·h·act;
-                 and backward the same pair reversed, (N-1)·n·(k + 1)·h·act:
-                 2(N-1)·n·h·act·(1+k) + (N-1)·n·k·8, N(1+k)/(2k) times the all-to-all's
-                 (3x at N = 4, k = 2), and growing with N.
-    --recompute=full reruns each block's forward in backward, up to the last tensor its
-    backward reads (torch's checkpoint stops there), the router weights' product with the
-    combined outputs: every exchange of the layer's forward again, measured so. alltoall:
-    the counts' all-gather and the forward's two all-to-alls, (N-1)·E·k·8 +
-    (sent + received)·h·act more; allgather: its forward's all-gathers and reduce-scatter,
-    (N-1)·n·k·8 + (N-1)·n·(1 + k)·h·act more (the sent and received rows the log gives are
-    the forward's, counted once).
+    dispatched to other ranks' experts and received from them in the step's forward, summed
+    over the layers: then it is exact; without them, the expectation under uniform routing
+    (the allgather dispatch's is exact). A rank routes n = b·s/N tokens to k experts at each
+    of L layers; rows are h wide, `act` bytes a number (4; 2 under bf16, as the rows travel).
+      alltoall   the counts' all-gather, (N-1)·E·k·8 (int64), and four all-to-alls (dispatch
+                 and combine, forward and backward), each sending what this rank sends others
+                 or what it received from them: 2·(sent + received)·h·act. Uniform routing
+                 keeps 1/N of the n·k choices home: 4(N-1)/N·n·k·h·act.
+      allgather  the all-gather of the n·k choices, (N-1)·n·k·8, of the n tokens,
+                 (N-1)·n·h·act, the reduce-scatter of the outputs, (N-1)·n·k·h·act, and
+                 backward the pair reversed: 2(N-1)·n·h·act·(1+k) + (N-1)·n·k·8, N(1+k)/(2k)
+                 times the all-to-all's (3x at N = 4, k = 2), growing with N.
+    --recompute=full reruns each block's forward in backward up to the router weights'
+    product with the combined outputs (torch's checkpoint stops there): every exchange of
+    the layer's forward again (alltoall: (N-1)·E·k·8 + (sent + received)·h·act; allgather:
+    (N-1)·n·k·8 + (N-1)·n·(1 + k)·h·act; the logged rows are the forward's, counted once).
     --capacity_factor applies GShard's drop rule to the global micro-batch, so N ranks drop
     what one process would."""
     L, E, k, h, N = config.n_layer, config.n_expert, config.top_k, config.n_embd, world
@@ -339,30 +338,23 @@ def exchange_bytes(config, cfg, world, sent=None, received=None):
 
 def activation_per_rank(config, cfg, world, rows=None, kept=None):
     """The bytes autograd keeps on a rank between forward and backward (act_bytes), as
-    model.activation_bytes counts a dense block's. rows: the rows this rank's experts
-    computed (the log's expert_load), kept: the choices of this rank's tokens that their
-    experts kept (L·n·k less the log's dropped_tokens), both summed over the layers: then
-    it is exact in float32; without them, the expectation under uniform routing. One
-    process (world 1, ddp.py --n_expert) keeps the same, with rows = kept.
-
-    A rank routes n = b·s/N tokens of B = b/N sequences at each of L layers; h, E, k, d as
-    in exchange_bytes. A layer keeps the dense block's attention half and LayerNorms
-    (activation_bytes less the MLP's 9dh a token, gelu 5dh), and for the MoE layer:
-      per token   the router's input (ln_2's output, d·h), its float32 softmax (4E), the
-                  top-k indices (8k, int64), the top-k weights and, for k > 1, their sum and
-                  the renormalized weights (4k + 4 + 4k), and the n·k expert outputs that
-                  the weighted sum reads (k·d·h): d·h·(1 + k) + 4E + 12k (+ 4k + 4)
+    model.activation_bytes counts a dense block's. rows: the rows this rank's experts computed
+    (the log's expert_load), kept: the choices of this rank's tokens their experts kept (L·n·k
+    less the log's dropped_tokens), both summed over the layers: then it is exact in float32;
+    without them, the expectation under uniform routing. One process (ddp.py --n_expert)
+    keeps the same, with rows = kept. With B = b/N sequences, n, h, E, k, d as in
+    exchange_bytes, a layer keeps the dense block's attention half and LayerNorms, and:
+      per token   the router's input (d·h), its float32 softmax (4E), the top-k indices (8k)
+                  and weights (4k; for k > 1 also their sum and the renormalized ones, 4 + 4k),
+                  and the k expert outputs the weighted sum reads (k·d·h)
       per layer   the balance loss's choice shares f, B·E floats
       per kept choice of this rank's tokens (alltoall)  the gather's index (8), and
-                  scatter_choices' index (8) and rows (d·h, the combined outputs): 16 + d·h
-      per expert row on this rank  the dense MLP's 9dh a token, now a row: the experts'
-                  input, the GELU's input and output (gelu: 5dh, the output recomputed)
-    --dispatch=allgather gathers and scatters this rank's experts' rows of the whole batch
-    instead: the gather's index and the rows, 8 + d·h an expert row, and scatter_choices'
-    index, a slice of the whole batch's kept choices in by_expert order, whose storage is
-    all of them: then kept counts every rank's (L·N·n·k less the ranks' dropped_tokens),
-    8 each. The all-to-alls and gathers keep nothing. full: each block's input, d·h a
-    token, as every strategy."""
+                  scatter_choices' index (8) and rows (d·h)
+      per expert row on this rank  the dense MLP's 9dh a token (gelu: 5dh)
+    --dispatch=allgather instead keeps the gather's index and rows, 8 + d·h an expert row, and
+    scatter_choices' index: a slice of the whole batch's kept choices, whose storage is all of
+    them, so kept counts every rank's (8 each). The exchanges keep nothing. full: each block's
+    input, d·h a token, as every strategy."""
     L, E, k, h, N = config.n_layer, config.n_expert, config.top_k, config.n_embd, world
     dtype = M.auto_dtype() if cfg.dtype == "auto" else cfg.dtype
     B, s, d = cfg.batch_size // N, config.block_size, 2 if dtype == "bfloat16" else 4

@@ -579,7 +579,7 @@ def layout(cfg, config, world, check=True):
         M.die(f"--tp={tp} must divide the {config.n_head} heads and the padded vocabulary ({config.vocab_size})")
     if cfg.sequence_parallel and config.block_size % tp:
         M.die(f"--sequence_parallel needs --block_size ({config.block_size}) divisible by --tp={tp}")
-    if cfg.attention not in CP.METHODS:
+    if cfg.attention not in CP.ATTENTION:
         M.die(f"--attention takes ring or ulysses, not {cfg.attention!r}")
     if cfg.attention == "ulysses" and config.n_head % (tp * cp):
         M.die(f"--attention=ulysses needs --tp x --cp = {tp * cp} to divide the {config.n_head} heads")

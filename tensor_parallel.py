@@ -26,7 +26,10 @@ and is the identity backward: per block 2 all-reduces of b·s·h activations for
 al. 2022) keeps s/N positions a rank between the regions, where LayerNorm, dropout and
 the residual adds treat each token alone: g becomes a reduce-scatter and f an
 all-gather (backward, each is the other), the same bytes and N times smaller LayerNorm
-and dropout activations. traffic_per_rank() derives the bytes.
+and dropout activations.
+
+The lesson is everything above main(); below the fence after it, the byte formulas the
+tests hold the log to (activation_per_rank, traffic_per_rank).
 """
 from functools import partial
 
@@ -37,7 +40,10 @@ import torch.nn.functional as F
 import collectives as C
 import model as M
 
-DEFAULTS = dict(M.TRAIN_DEFAULTS, sequence_parallel=False)
+DEFAULTS = dict(
+    M.TRAIN_DEFAULTS,
+    sequence_parallel=False,  # keep s/N positions a rank between the regions (f an all-gather, g a reduce-scatter)
+)
 
 # -----------------------------------------------------------------------------
 # f and g: where a parallel region starts and ends (the names of Megatron's mappings.py)
@@ -258,17 +264,13 @@ def sharded_param(full, dim, group, parts=1):
 # -----------------------------------------------------------------------------
 # the model: each rank's slice of model.GPT(config, seed)
 #
-# What it buys: each rank holds 1/N of the parameters, gradients and Adam state (16Ψ/N
-# bytes in float32, plus the small replicas), and 1/N of the activations inside the
-# regions: s·b·h(10 + 24/N + 5as/(hN)) bytes per layer instead of s·b·h(34 + 5as/h)
-# (16-bit activations, a heads; Korthikanti et al. 2022, "Reducing activation
-# recomputation"); sequence parallelism shrinks the LayerNorm and dropout part N times.
+# What it buys: each rank holds 1/N of the parameters, gradients and Adam state, and 1/N
+# of the activations inside the regions (Korthikanti et al. 2022: s·b·h(10 + 24/N +
+# 5as/(hN)) bytes a layer instead of s·b·h(34 + 5as/h), 16-bit, a heads).
 #
 # Layout. The residual stream is (s, b, h), sequence first, as in Megatron: a rank's
-# sequence-parallel positions are then one contiguous block (rows [r·s/N, (r+1)·s/N)),
-# so the all-gathers and reduce-scatters need no copies and no transposes. Besides the
-# attention output (see attention()) only the b·s target ids are copied (flattened from
-# an (s, b) view); f's backward and g's forward reduce in place.
+# sequence-parallel positions are one contiguous block of rows, so the all-gathers and
+# reduce-scatters need no copies and no transposes.
 #
 # Dropout (0 by default): every rank draws from one seed, so the replicated regions'
 # masks agree and the replicas stay equal, but inside a region the ranks' heads draw the
@@ -472,34 +474,24 @@ def activation_per_rank(config, cfg, world):
 
 
 def traffic_per_rank(config, cfg, world):
-    """Bytes a rank sends per step, on average over the ranks.
-
-    A ring all-reduce of S bytes is a reduce-scatter then an all-gather, N-1 steps of S/N
-    each: every rank sends 2(N-1)/N·S. (collectives.py all-reduces messages under its
-    SMALL_ALL_REDUCE_BYTES with a binomial tree instead: the same total, unevenly over
-    the ranks; the tests count both exactly.) With b·s tokens a step, h = n_embd, L
-    layers and d the compute dtype's bytes (4 float32, 2 bfloat16), what is all-reduced:
+    """Bytes a rank sends per step, on average over the ranks (docs/tensor_parallel.md). An
+    all-reduce of S bytes sends 2(N-1)/N·S a rank (the ring's; collectives.py's tree for small
+    messages sends the same total, unevenly: the tests count both exactly). With b·s tokens,
+    h = n_embd, L layers and d the compute dtype's bytes, what is all-reduced:
       blocks     2 g's forward, 2 f's backward, b·s·h each: 4L, in the compute dtype
-                 (--recompute=full: backward reruns each block's forward, and the rerun stops
-                 once it has every tensor backward reads (torch's checkpoint "early stop"): the
-                 block's last g, whose output nothing keeps, is not sent again; so 5L, or with
-                 sequence parallelism 5.5L: the attention's all-gather and reduce-scatter and
-                 the MLP's all-gather again)
+                 (--recompute=full reruns each block's forward up to the last tensor backward
+                 reads, torch's checkpoint "early stop": the last g is not sent again, so 5L;
+                 with sequence parallelism 5.5L, the attention's all-gather and reduce-scatter
+                 and the MLP's all-gather again)
       head       its f, backward: 1 more, in the compute dtype (f casts its input first)
       embedding  its g, forward: b·s·h float32 rows, as the one-process run keeps them
       loss       3 all-reduces of b·s float32 numbers (max, target logit, sum of exp)
       norm       the squared gradient norm, 1 float
-    so  2(N-1)/N · b·s·h · ((4L + 1)·d + 4)  +  3 · 2(N-1)/N · b·s·4  +  2(N-1)/N · 4,
-    which in float32 is (4L + 2) · 2(N-1)/N · 4·b·s·h (docs/tensor_parallel.md), plus the
-    loss's and the norm's few bytes.
-    --sequence_parallel: each all-reduce becomes a reduce-scatter plus an all-gather,
-    (N-1)/N·S each: the same bytes. The replicated parameters (LayerNorms and their
-    biases, row-parallel biases, ln_f, wpe) now see only their rank's positions, so their
-    gradients are all-reduced once a step in float32: 2(N-1)/N · (6Lh + 2h + block_size·h)
-    · 4 more (2Lh + h + block_size·h without biases).
-    Unlike DDP's, this traffic grows with the batch, not the model; it sits on the
-    critical path of every layer, forward and backward; and it does not shrink as N
-    grows: tensor parallelism is for the fast links inside one node."""
+    so  2(N-1)/N · b·s·h · ((4L + 1)·d + 4)  +  3 · 2(N-1)/N · b·s·4  +  2(N-1)/N · 4.
+    --sequence_parallel: each all-reduce becomes a reduce-scatter plus an all-gather, the same
+    bytes; and the replicas (LayerNorms, row-parallel biases, ln_f, wpe), which now see only
+    their rank's positions, have their gradients all-reduced in float32: 2(N-1)/N · (6Lh + 2h
+    + block_size·h) · 4 more (2Lh + h + block_size·h without biases)."""
     dtype = M.auto_dtype() if cfg.dtype == "auto" else cfg.dtype
     d = 2 if dtype == "bfloat16" else 4
     ar = 2 * (world - 1) / world  # an all-reduce, or a reduce-scatter plus an all-gather
