@@ -491,6 +491,83 @@ def gather_stats(values, group=None):
     return dict(zip(names, rows.view(n, len(names)).t().tolist())) if me == 0 else None
 
 
+# ----------------------------------------------------------------------------- the collectives autograd can differentiate
+
+# The strategies move activations with the collectives above, and each needs its conjugate in
+# backward: an all-gather's gradient is reduce-scattered, a reduce-scatter's all-gathered, and
+# an all-to-all's sent back by the same exchange reversed. Each is the identity on a group of
+# one. name (optional) labels the trace's spans "<op> <name> (forward)" and "(backward)".
+# torch.compile runs them eagerly (a graph break): dynamo must not trace this file's lock and worker.
+
+def _gather_or_scatter(x, gather, group, name, when):
+    """x's rows all-gathered (rank-major) or reduce-scattered (rank i keeping block i)."""
+    n = get_world_size(group)
+    out = x.new_empty(x.shape[0] * n if gather else x.shape[0] // n, *x.shape[1:])
+    with labelled(f"{'all_gather' if gather else 'reduce_scatter'} {name} ({when})" if name else _label):
+        (all_gather if gather else reduce_scatter)(out, x.contiguous(), group=group)
+    return out
+
+
+def _exchange_rows(x, send, recv, group, name, when):
+    out = x.new_empty(sum(recv) if recv else x.shape[0], *x.shape[1:])
+    with labelled(f"all_to_all {name} ({when})" if name else _label):
+        all_to_all(out, x.contiguous(), recv, send, group=group)
+    return out
+
+
+class _GatherOrScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, gather, group, name):
+        ctx.args = gather, group, name
+        return _gather_or_scatter(x, gather, group, name, "forward")
+
+    @staticmethod
+    def backward(ctx, grad):
+        gather, group, name = ctx.args
+        return _gather_or_scatter(grad, not gather, group, name, "backward"), None, None, None
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, send, recv, group, name):
+        ctx.args = recv, send, group, name  # backward: what arrived goes back where it came from
+        return _exchange_rows(x, send, recv, group, name, "forward")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _exchange_rows(grad, *ctx.args, "backward"), None, None, None, None
+
+
+@torch.compiler.disable
+def all_gather_rows(x, group=None, name=None):
+    """Every rank's x concatenated along dim 0, rank-major; backward: a reduce-scatter."""
+    return x if get_world_size(group) == 1 else _GatherOrScatter.apply(x, True, group, name)
+
+
+@torch.compiler.disable
+def reduce_scatter_rows(x, group=None, name=None):
+    """x summed over the ranks, rank i keeping the i-th of N blocks of rows; backward: an all-gather."""
+    return x if get_world_size(group) == 1 else _GatherOrScatter.apply(x, False, group, name)
+
+
+@torch.compiler.disable
+def all_to_all_rows(x, send=None, recv=None, group=None, name=None):
+    """send[j] rows of x to rank j, recv[i] rows arriving from rank i (None: N equal parts);
+    backward: the gradients go back the way they came."""
+    return x if get_world_size(group) == 1 else _AllToAll.apply(x, send, recv, group, name)
+
+
+def all_reduce_flat(tensors, op="avg", group=None):
+    """The tensors (say, a list of .grad) all-reduced as one flat message, copied back in place:
+    one message's latency for all of them."""
+    if not tensors or get_world_size(group) == 1:
+        return
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    all_reduce(flat, op=op, group=group)
+    for t, part in zip(tensors, flat.split([t.numel() for t in tensors])):
+        t.copy_(part.view_as(t))
+
+
 # ----------------------------------------------------------------------------- the built-ins (--collectives=torch)
 
 # use("torch") puts torch.distributed's own collectives (NCCL's kernels on GPUs, gloo's on

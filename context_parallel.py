@@ -24,14 +24,14 @@ block that already arrived), and merges each block's partial result exactly by t
 online softmax's log-sum-exp rule. Backward sends the blocks round again, each block's
 gradient following it home. The weights are replicated (16Ψ bytes of weights, gradients
 and Adam state per rank, as in DDP), so their gradients are averaged once a step.
---layout=zigzag (the default) balances the causal work over the ranks (see positions());
-the log's attn_ms and attn_wait_ms show it, act_bytes the 1/N. traffic_per_rank() has
-the bytes.
-
+--layout=zigzag (the default) balances the causal work over the ranks (see positions()).
 --attention=ulysses (DeepSpeed-Ulysses) sends heads instead of keys: an all-to-all before
 attention gives each rank every position of H/N heads, one after it gives the positions
-back (see ulysses_attention()). Fewer bytes than the ring, none of them hidden behind
-compute, and the heads must divide into N.
+back. Fewer bytes than the ring, none of them hidden behind compute, and N must divide the heads.
+
+The lesson is everything above main(); below the fence after it, the instruments: the
+clock behind the log's attn_ms and attn_wait_ms, and the byte formulas the tests hold the
+log to (docs/context_parallel.md derives them).
 """
 import functools
 import math
@@ -43,9 +43,12 @@ import torch
 import collectives as C
 import model as M
 
-DEFAULTS = dict(M.TRAIN_DEFAULTS, layout="zigzag", attention="ring")
+DEFAULTS = dict(
+    M.TRAIN_DEFAULTS,
+    layout="zigzag",        # contiguous | zigzag: which positions each rank holds (zigzag balances the causal work)
+    attention="ring",       # ring: K and V passed round the ranks | ulysses: two all-to-alls around attention
+)
 LAYOUTS = ("contiguous", "zigzag")
-METHODS = ("ring", "ulysses")
 
 # -----------------------------------------------------------------------------
 # the layout: which positions each rank holds
@@ -261,52 +264,42 @@ def attend_backward(q, k, v, dout, lse, delta, scale, causal):
 # Attention is the only place where a position needs the others, and every head is
 # independent. So for the length of attention, swap what is split: one all-to-all turns
 # "my s/N positions, all H heads" into "every position, my H/N heads", each rank runs
-# ordinary attention on whole sequences, and a second all-to-all turns the output back;
-# backward is the same two exchanges reversed, by autograd (_AllToAll). The attention in
-# between can be any kernel (flash attention on a GPU, unchanged: no log-sum-exp to
-# merge); here it is the ring's own math on a ring of one, the one-process run's, so that
-# the bench compares the messages, not two kernels. A rank sends (N-1)/N of four tensors
-# of b·(s/N)·h a layer forward (q, k, v, the output) and four backward: 4/(3N) of the
-# ring's bytes in float32, 1/N in bfloat16 (traffic_per_rank); but nothing computes while
-# they travel, and N cannot exceed the number of heads. Any layout works: what arrives is
-# put in position order before attention, and back in the ranks' order after it.
+# ordinary attention on whole sequences, and a second all-to-all turns the output back.
+# Backward is autograd's: C.all_to_all_rows sends the gradients back the way they came,
+# through the reshapes around it. The attention in between can be any kernel; here it is
+# the ring's own math on a ring of one, the one-process run's, so that the bench compares
+# the messages, not two kernels.
 
 
-def seq_to_heads(x, ring, order):
-    """(..., H, s/N, D) at my positions -> (..., H/N, s, D): my heads, every position in
-    order. order: the global position of each row that arrives (rank 0's first)."""
+def seq_to_heads(x, ring):
+    """(..., H, s/N, D) at my positions -> (..., H/N, s, D): my heads, every position in order."""
     send = torch.stack(x.chunk(ring.n, dim=-3))  # (N, ..., H/N, s/N, D): part j, heads group j, to rank j
-    recv = torch.empty_like(send)
-    C.all_to_all(recv, send, group=ring.group)  # part i: rank i's positions of my heads
-    return torch.cat(recv.unbind(0), dim=-2)[..., torch.argsort(order), :]  # zigzag: back into position order
+    parts = C.all_to_all_rows(send, group=ring.group, name="to heads").unbind(0)  # part i: rank i's positions
+    if ring.layout == "zigzag":  # part i is chunks i and 2N-1-i: the early halves in order, then the late reversed
+        halves = [p.chunk(2, dim=-2) for p in parts]
+        parts = [h[0] for h in halves] + [h[1] for h in halves[::-1]]
+    return torch.cat(parts, dim=-2)
 
 
-def heads_to_seq(y, ring, order):
+def heads_to_seq(y, ring):
     """seq_to_heads's inverse: (..., H/N, s, D) -> (..., H, s/N, D) at my positions."""
-    send = torch.stack(y[..., order, :].chunk(ring.n, dim=-2))  # (N, ..., H/N, s/N, D): part i, rank i's positions
-    recv = torch.empty_like(send)
-    C.all_to_all(recv, send, group=ring.group)  # part j: my positions of rank j's heads
+    if ring.layout == "zigzag":  # rank i's positions: chunks i and 2N-1-i of 2N
+        c = y.chunk(2 * ring.n, dim=-2)
+        parts = [torch.cat([c[i], c[2 * ring.n - 1 - i]], dim=-2) for i in range(ring.n)]
+    else:
+        parts = y.chunk(ring.n, dim=-2)
+    recv = C.all_to_all_rows(torch.stack(parts), group=ring.group, name="to positions")  # part j: rank j's heads
     return torch.cat(recv.unbind(0), dim=-3)
 
 
-class _AllToAll(torch.autograd.Function):
-    """seq_to_heads (to_heads) or heads_to_seq; the gradient goes back by the other."""
-
-    @staticmethod
-    def forward(ctx, x, ring, order, to_heads, clock):
-        ctx.ring, ctx.order, ctx.to_heads, ctx.clock = ring, order, to_heads, clock
-        return exchange(x, ring, order, to_heads, clock, "")
-
-    @staticmethod
-    def backward(ctx, grad):
-        return exchange(grad, ctx.ring, ctx.order, not ctx.to_heads, ctx.clock, " (backward)"), None, None, None, None
-
-
-def exchange(x, ring, order, to_heads, clock, when):
-    """One of the two exchanges, timed as "wait": nothing overlaps it, all of it is exposed."""
-    name = "to heads" if to_heads else "to positions"
-    with clock("wait"), M.span(f"all_to_all {name}{when} ({x.numel() * x.element_size() / 1e6:.1f} MB)", comm=True):
-        return (seq_to_heads if to_heads else heads_to_seq)(x.contiguous(), ring, order)
+def exchange(x, ring, to_heads, clock):
+    """One of the two exchanges, its forward and (clock.backward) its backward timed as
+    "wait": nothing overlaps them, all of it is exposed."""
+    with clock("wait"):
+        y = (seq_to_heads if to_heads else heads_to_seq)(x, ring)
+    if y.requires_grad and hasattr(clock, "backward"):
+        clock.backward("wait", x, y)
+    return y
 
 
 ALONE = types.SimpleNamespace(me=0, n=1, layout="contiguous")  # a ring of one: one block, no messages
@@ -317,12 +310,10 @@ ALONE = types.SimpleNamespace(me=0, n=1, layout="contiguous")  # a ring of one: 
 def ulysses_attention(q, k, v, ring, clock=None):
     """Causal attention of this rank's q over the sequence all ranks hold, (B, H, s/N, D)
     each, H divisible by N; returns q's dtype. The same Ring (group, layout) as the ring's."""
-    # the global position of each row of the gathered sequence: rank 0's rows first
-    order = torch.cat([positions(q.shape[2] * ring.n, r, ring.n, ring.layout, q.device) for r in range(ring.n)])
     clock = clock or untimed
-    qkv = _AllToAll.apply(torch.stack([q, k, v]), ring, order, True, clock)  # one message for all three
+    qkv = exchange(torch.stack([q, k, v]), ring, True, clock)  # one message for all three
     y = RingAttention.apply(*qkv.unbind(0), ALONE, clock)  # (B, H/N, s, D): whole sequences, causal
-    return _AllToAll.apply(y, ring, order, False, clock)
+    return exchange(y, ring, False, clock)
 
 
 ATTENTION = dict(ring=ring_attention, ulysses=ulysses_attention)
@@ -350,22 +341,11 @@ def forward(model, idx, targets, pos, recompute="none"):
     return M.head(t.ln_f, model.lm_head.weight, x, targets)[1]
 
 
-def grad_buffer(params):
-    """Every gradient as a view into one flat buffer (as ddp.py's buckets): one
-    all-reduce averages them all, with no copy in or out."""
-    flat = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
-    offset = 0
-    for p in params:
-        p.grad = flat[offset:offset + p.numel()].view_as(p)
-        offset += p.numel()
-    return flat
-
-
 def main(argv=None):
     cfg = M.parse_args(DEFAULTS, argv, __doc__)
     if cfg.layout not in LAYOUTS:
         M.die(f"--layout takes contiguous or zigzag, not {cfg.layout!r}")
-    if cfg.attention not in METHODS:
+    if cfg.attention not in ATTENTION:
         M.die(f"--attention takes ring or ulysses, not {cfg.attention!r}")
     if cfg.dropout:
         M.die("context_parallel.py needs --dropout=0: the ring's hand-written attention backward recomputes "
@@ -389,7 +369,6 @@ def main(argv=None):
     params = list(model.parameters())  # the tied matrix once
     for t in params + list(model.buffers()):
         C.broadcast(t.data, src=C.group_ranks(group)[0], group=group)
-    flat = grad_buffer(params) if world > 1 else None
     optimizer = M.make_optimizer(model.named_parameters(), cfg, device)
     M.restore(run, [(n, p, None, rank == 0) for n, p in model.named_parameters()], optimizer)
     step_forward = torch.compile(forward) if cfg.compile else forward
@@ -416,10 +395,7 @@ def main(argv=None):
         M.begin_iter(run, it, evaluate)
         # ---------------------------------------------------------------- the training step
         clock.reset()  # validation's attention is not the step's
-        if flat is not None:
-            flat.zero_()
-        else:
-            optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad(set_to_none=True)
         x, y = M.batch(run, it)  # every row of the global batch...
         x, y = x[:, pos], y[:, pos]  # ...at this rank's positions
         counting, saved = M.saved_bytes(params, on=not cfg.compile)
@@ -428,15 +404,13 @@ def main(argv=None):
         with M.span("backward"):
             loss.backward()  # the ring runs again, backward, inside
         with M.span("optimizer"):
-            if flat is not None:
-                C.all_reduce(flat, op="avg", group=group)  # the replicated weights' gradients, once a step
+            C.all_reduce_flat([p.grad for p in params], group=group)  # the replicated weights' gradients, once a step
             # after the all-reduce every rank holds the same gradients, so the local norm is the global norm
             norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip) if cfg.grad_clip else 0.0
             optimizer.step()
         # ---------------------------------------------------------------- end of the training step
         ms = clock.take_ms()
-        grads = [flat] if flat is not None else [p.grad for p in params]
-        state = M.tensor_bytes(params) + M.tensor_bytes(grads) + M.optimizer_state_bytes(optimizer)
+        state = M.tensor_bytes(params) + M.tensor_bytes(p.grad for p in params) + M.optimizer_state_bytes(optimizer)
         M.end_iter(run, loss=loss.item(), grad_norm=norm, state_bytes=state, act_bytes=sum(saved.values()),
                    attn_ms=ms["attn"], attn_wait_ms=ms["wait"])
     return M.finish(run)
@@ -458,6 +432,12 @@ class Clock:
         t0 = M.now(self.device)
         yield
         self.spans[kind].append((t0, M.now(self.device)))
+
+    def backward(self, kind, x, y):
+        """Times autograd's way back from y to x as `kind`: from y's gradient to x's."""
+        start = []
+        y.register_hook(lambda grad: start.append(M.now(self.device)))
+        x.register_hook(lambda grad: self.spans[kind].append((start.pop(), M.now(self.device))))
 
     def reset(self):
         for spans in self.spans.values():
@@ -483,31 +463,14 @@ def activation_per_rank(config, cfg, world):
 
 
 def traffic_per_rank(config, cfg, world):
-    """Bytes a rank sends per optimizer step. With b rows, s tokens, h = n_embd, L layers,
-    Ψ parameters, a = 4 bytes in float32 or 2 in bfloat16 for the activations:
-
-      ring (K and V travel; their gradients in float32)
-        forward    L · (N-1) · 2·b·(s/N)·h · a      K and V of one rank's positions, N-1 hops
-                                                    (twice with --recompute=full: backward reruns it)
-        backward   L · (N-1) · 2·b·(s/N)·h · a      the same blocks again (forward kept only its own)
-                 + L · (N-1) · 2·b·(s/N)·h · 4      their gradients dK, dV, N-1 hops, the last one home
-      ulysses (the heads travel; every gradient in the activations' dtype)
-        forward    L · (N-1)/N · 4·b·(s/N)·h · a    q, k, v to heads and the output back, each rank
-                                                    keeping its own 1/N (twice with --recompute=full)
-        backward   L · (N-1)/N · 4·b·(s/N)·h · a    the output's gradient to heads, dq, dk, dv back
-      both
-        weights    2(N-1)/N · 4Ψ                    one ring all-reduce of every gradient
-
-    so for attention the ring sends 2(N-1)/N · L·b·s·h·(2a + 4) bytes, about as much as
-    tensor parallel's activations, and Ulysses 8(N-1)/N² · L·b·s·h·a: 4/(3N) of the ring's
-    in float32, 1/N in bfloat16. But each hop of the ring moves O(b·(s/N)·h) bytes while
-    the block it overlaps costs O(b·(s/N)²·h) FLOPs, so once s/N is long enough its
-    transfers hide behind compute; Ulysses' cannot hide (attention needs all of q, k, v).
-    The ring's skipped future blocks are still sent: in a ring every block passes every
-    rank on its way to those that need it (under zigzag every rank needs half of every
-    other block), and each step is the same exchange on every rank; so the bytes do not
-    shrink. The attention terms are exact on every rank; the all-reduce's is exact when N
-    divides Ψ, else the mean over ranks (the ring's chunks differ by an element)."""
+    """Bytes a rank sends per optimizer step (docs/context_parallel.md, "What each sends"), with
+    b rows, s tokens, h = n_embd, L layers, a = 4 bytes in float32 or 2 in bfloat16:
+      ring     L·(N-1)·2·b·(s/N)·h · (a forward + a + 4 backward): K and V hop N-1 times each
+               way, their gradients in float32 (the forward again under --recompute=full)
+      ulysses  L·(N-1)/N·4·b·(s/N)·h·a each way: q, k, v and the output (the forward again too)
+      both     2(N-1)/N·4Ψ: one ring all-reduce of the gradients
+    The attention terms are exact on every rank; the all-reduce's is exact when N divides Ψ,
+    else the mean over ranks (the ring's chunks differ by an element)."""
     if world == 1:
         return 0
     b, s, h, L = cfg.batch_size, config.block_size, config.n_embd, config.n_layer

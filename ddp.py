@@ -25,6 +25,8 @@ the last: the same bytes per step, k times the tokens.
 
 --n_expert=E trains model.py's mixture of experts with every expert replicated;
 its one-process run is the reference that expert_parallel.py reproduces.
+
+The lesson is everything above main(); after it, the byte formula the tests hold the log to.
 """
 
 import torch
@@ -270,6 +272,9 @@ def main(argv=None):
         M.end_iter(run, loss=loss.item(), grad_norm=norm, state_bytes=state, act_bytes=act,
                    exposed_comm_ms=1000 * M.elapsed(t_comm, exposed), **M.moe_log(run, model))
     return M.finish(run)
+
+# -----------------------------------------------------------------------------
+# the bytes
 
 
 def traffic_per_rank(config, cfg, world):

@@ -20,35 +20,45 @@ reach the ranks that hold the experts they chose, and come back:
   combine   the reverse all-to-all brings the outputs home; the router weights
             mix them there. Backward is the same two all-to-alls, reversed.
 
---dispatch=allgather, the simple alternative: every rank all-gathers the whole global micro-batch and its routing, runs its
-experts on the choices routed to them, and a reduce-scatter sums the partial outputs
-back to their ranks; backward, the same pair reversed. An expert's gradient arrives
-through these exchanges from every rank's tokens, so it is never all-reduced; the
-replicated weights' gradients are averaged with one all-reduce a step.
-traffic_per_rank() gives the bytes sent, activation_per_rank() those autograd keeps; the log
-adds the experts' loads and the drops.
+--dispatch=allgather, the simple alternative: every rank all-gathers the global micro-batch
+and its routing, runs its experts on the choices routed to them, and a reduce-scatter sums
+the partial outputs back to their ranks; backward, the same pair reversed. An expert's
+gradient arrives through these exchanges from every rank's tokens, so it is never
+all-reduced; the replicated weights' gradients are averaged with one all-reduce a step.
+
+The lesson is everything above main(); below the fence after it, the log's MoE fields (the
+experts' loads, the drops) and the byte formulas the tests hold the log to.
 """
 
 import torch
+import torch.nn.functional as F
 
 import collectives as C
 import model as M
 
-DEFAULTS = dict(M.TRAIN_DEFAULTS, n_expert=4, dispatch="alltoall")
+DEFAULTS = dict(
+    M.TRAIN_DEFAULTS,
+    n_expert=4,             # experts per MoE layer, E: a multiple of the ranks
+    dispatch="alltoall",    # alltoall: each row to its expert's rank and back | allgather: every rank gets every row
+)
 DISPATCH = ("alltoall", "allgather")
 
 # ----------------------------------------------------------------------------- the layer
 
 class ExpertParallelMoE(M.MoE):
     """A MoE layer holding experts [first, first + E/N) and the (replicated) router.
-    run_experts() is the only change: the one-process version runs every expert here."""
+    run_experts() is the only change: the one-process version runs every expert here.
+    On parallel_nd.py's mesh (aux_scale given) it runs in tensor parallel's (s, b, h)
+    layout, its balance loss per whole sequence (with context parallelism, the sums over
+    cp_group: balance_loss), its gradient added where the layer is (_AuxLoss)."""
 
-    def __init__(self, moe, mode="alltoall", wire_dtype=None, group=None):
+    def __init__(self, moe, mode="alltoall", wire_dtype=None, group=None, cp_group=None, aux_scale=None):
         with torch.device("meta"):  # MoE's fields, without allocating (or drawing) its weights: both come next
             super().__init__(moe.config)
         self.router = moe.router
         self.load = 0  # the training forwards' rows per expert (E,), every rank's, for the log
         self.mode, self.wire_dtype, self.group = mode, wire_dtype, group
+        self.cp_group, self.aux_scale = cp_group, aux_scale
         self.world, self.rank = C.get_world_size(group), C.get_rank(group)
         self.local = self.config.n_expert // self.world
         self.first = self.rank * self.local
@@ -56,6 +66,23 @@ class ExpertParallelMoE(M.MoE):
         with torch.no_grad():
             for mine, full in zip(self.experts.parameters(), moe.experts.parameters()):
                 mine.copy_(full[self.first:self.first + self.local])
+                mine.ep_index = (0, self.first, self.first + self.local)  # the checkpoint's slice of the global tensor
+
+    def forward(self, x):
+        if self.aux_scale is None:  # model.MoE's forward; model.moe_loss adds the balance loss
+            return super().forward(x)
+        s, b, h = x.shape  # the mesh's layout
+        tokens = x.reshape(-1, h)  # position-major: only a capacity's drop order would care, and it is refused
+        probs, weights, chosen = M.route(self.router, tokens, self.config.top_k)
+        self.aux = balance_loss(probs.view(s, b, -1), chosen.view(s, b, -1), self.cp_group)
+        out, stats = self.run_experts(tokens, chosen)
+        y = (weights.unsqueeze(-1) * out).sum(1)
+        if self.training and not M.rerunning():
+            for name, v in dict(stats, aux_loss=self.aux.detach(), forwards=1).items():
+                self.tally[name] = self.tally.get(name, 0) + v
+        if torch.is_grad_enabled():
+            y = _AuxLoss.apply(y, self.aux, self.aux_scale)
+        return y.view(s, b, h).to(x.dtype)
 
     def run_experts(self, tokens, chosen):
         """-> (the experts' outputs for this rank's choices (n, k, h), zeros where dropped; stats)."""
@@ -88,10 +115,10 @@ class ExpertParallelMoE(M.MoE):
         per_rank = kept.view(N, N, self.local).sum(-1)  # rows rank i sends rank j
         send, recv = per_rank[me].tolist(), per_rank[:, me].tolist()
         stats.update(sent_tokens=sum(send) - send[me], received_tokens=sum(recv) - recv[me])
-        rows = dispatch(tokens[order // k], send, recv, self.group)  # rank 0's rows by expert, rank 1's...
+        rows = C.all_to_all_rows(tokens[order // k], send, recv, self.group, name="dispatch")  # rank 0's rows by expert, rank 1's...
         counts = kept[:, self.first:self.first + self.local]  # (N, E/N)
         out = self.experts(transpose_blocks(rows, counts), counts.sum(0).tolist())  # by expert, then rank
-        out = combine(transpose_blocks(out, counts.t()), send, recv, self.group)
+        out = C.all_to_all_rows(transpose_blocks(out, counts.t()), recv, send, self.group, name="combine")
         return M.scatter_choices(out, order, chosen.shape)
 
     def by_all_gather(self, tokens, everyone, keep, per_expert):
@@ -99,12 +126,12 @@ class ExpertParallelMoE(M.MoE):
         them, and the partial outputs summed back to their ranks. everyone (N·n, k): every
         rank's choices; per_expert (E,): the rows each expert keeps."""
         k = everyone.shape[1]
-        batch = gather_tokens(tokens, self.group)  # (N·n, h): the global micro-batch, rank-major
+        batch = C.all_gather_rows(tokens, self.group)  # (N·n, h): the global micro-batch, rank-major
         start = int(per_expert[:self.first].sum())
         sizes = per_expert[self.first:self.first + self.local].tolist()
         order = M.by_expert(everyone, keep)[start:start + sum(sizes)]  # the kept choices of my experts
         out = M.scatter_choices(self.experts(batch[order // k], sizes), order, everyone.shape)  # 0: others' experts
-        return sum_outputs(out.view(everyone.shape[0], -1), self.group).view(-1, k, out.shape[-1])
+        return C.reduce_scatter_rows(out.view(everyone.shape[0], -1), self.group).view(-1, k, out.shape[-1])
 
 
 def transpose_blocks(x, counts):
@@ -112,93 +139,6 @@ def transpose_blocks(x, counts):
     blocks = x.split(counts.reshape(-1).tolist())
     rows, cols = counts.shape
     return torch.cat([blocks[i * cols + j] for j in range(cols) for i in range(rows)])
-
-# ----------------------------------------------------------------------------- the messages, with their backward
-#
-# torch.compile runs each of these eagerly (one graph break) and compiles the math
-# around them: dynamo must not trace into collectives.py (its lock, its worker).
-
-
-class _AllToAll(torch.autograd.Function):
-    """Rows of x to the ranks, send[j] to rank j; recv[i] rows arrive from rank i.
-    Backward sends the gradients of the arrived rows back: the same exchange reversed."""
-
-    @staticmethod
-    def forward(ctx, x, recv, send, group, name):
-        ctx.recv, ctx.send, ctx.group, ctx.name = recv, send, group, name
-        out = x.new_empty(sum(recv), *x.shape[1:])
-        with M.span(f"all_to_all {name}", comm=True):
-            C.all_to_all(out, x.contiguous(), recv, send, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        out = grad.new_empty(sum(ctx.send), *grad.shape[1:])
-        with M.span(f"all_to_all {ctx.name} (backward)", comm=True):
-            C.all_to_all(out, grad.contiguous(), ctx.send, ctx.recv, group=ctx.group)
-        return out, None, None, None, None
-
-
-@torch.compiler.disable
-def dispatch(rows, send, recv, group=None):
-    """Each rank's chosen rows to the ranks holding their experts: send[j] rows to rank j,
-    recv[i] arriving from rank i."""
-    return _AllToAll.apply(rows, recv, send, group, "dispatch")
-
-
-@torch.compiler.disable
-def combine(rows, send, recv, group=None):
-    """The experts' outputs home: dispatch's exchange reversed (send, recv as dispatch's)."""
-    return _AllToAll.apply(rows, send, recv, group, "combine")
-
-
-class _GatherRows(torch.autograd.Function):
-    """Every rank's rows, rank-major, on every rank; backward: the gradients summed
-    over the ranks and each rank's rows kept (a reduce-scatter)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        out = x.new_empty(C.get_world_size(group) * x.shape[0], *x.shape[1:])
-        C.all_gather(out, x.contiguous(), group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        out = grad.new_empty(grad.shape[0] // C.get_world_size(ctx.group), *grad.shape[1:])
-        C.reduce_scatter(out, grad.contiguous(), group=ctx.group)
-        return out, None
-
-
-class _SumScatterRows(torch.autograd.Function):
-    """x (N·n rows) summed over the ranks, rank i keeping rows [i·n, (i+1)·n); backward:
-    the gradient all-gathered."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        out = x.new_empty(x.shape[0] // C.get_world_size(group), *x.shape[1:])
-        C.reduce_scatter(out, x.contiguous(), group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        out = grad.new_empty(C.get_world_size(ctx.group) * grad.shape[0], *grad.shape[1:])
-        C.all_gather(out, grad.contiguous(), group=ctx.group)
-        return out, None
-
-
-@torch.compiler.disable
-def gather_tokens(rows, group=None):
-    """--dispatch=allgather: the global micro-batch on every rank (all-gather)."""
-    return _GatherRows.apply(rows, group)
-
-
-@torch.compiler.disable
-def sum_outputs(rows, group=None):
-    """--dispatch=allgather: each rank's experts' partial outputs summed, every rank
-    keeping its own tokens' (reduce-scatter)."""
-    return _SumScatterRows.apply(rows, group)
 
 
 @torch.compiler.disable
@@ -209,16 +149,57 @@ def gather_all(t, group=None):
     C.all_gather(out, t.contiguous(), group=group)
     return out
 
+# ----------------------------------------------------------------------------- on the mesh: the balance loss per whole sequence
+
+def balance_loss(probs, chosen, cp_group=None):
+    """model.balance_loss on (s, b, E) probabilities and (s, b, k) choices: E·Σ_e f_e·P_e per
+    sequence, averaged. With cp a sequence's positions lie on cp ranks: the per-sequence
+    counts and probability sums are summed over the ring first (one all-reduce of b·2E floats)."""
+    s, b, E = probs.shape
+    both = torch.cat([F.one_hot(chosen, E).sum((0, 2)).float(), probs.sum(0)], -1)  # (b, 2E)
+    if C.get_world_size(cp_group) > 1:
+        both = _SumShared.apply(both, cp_group)
+    f, P = both.split(E, -1)
+    T = s * C.get_world_size(cp_group)  # the whole sequence
+    return E * (f / (T * chosen.shape[-1]) * (P / T)).sum(-1).mean()
+
+
+class _SumShared(torch.autograd.Function):
+    """The sum over the group, which every rank then uses alike. Backward: the gradient times
+    n, no message: the n ranks' losses are the same function of the sum, so each rank's share
+    gets the same gradient from each, and the gradients' mean over the cp group divides by n."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.n = C.get_world_size(group)
+        out = x.clone()
+        C.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.n, None
+
+
+class _AuxLoss(torch.autograd.Function):
+    """y unchanged; backward also gives the balance loss its gradient, `scale` (Megatron-Core's
+    MoEAuxLossAutoScaler): each pipeline stage's layers add their term to the objective where
+    they are, with nothing carried down the pipeline."""
+
+    @staticmethod
+    def forward(ctx, y, aux, scale):
+        ctx.scale = torch.full_like(aux, scale)
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, ctx.scale, None
+
 # ----------------------------------------------------------------------------- the step's gradient
 
-def all_reduce_replicated(params, group=None):
-    """The replicated weights' gradients averaged over the ranks: one message."""
-    flat = torch.cat([p.grad.reshape(-1) for p in params])
-    C.all_reduce(flat, op="avg", group=group)
-    offset = 0
-    for p in params:
-        p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
-        offset += p.numel()
+def named_experts(model):
+    """[(name, parameter)]: this rank's experts, E/N of each MoE layer."""
+    return [(n, p) for n, p in model.named_parameters() if hasattr(p, "ep_index")]
 
 
 def clip_global_norm(replicated, experts, max_norm, group=None):
@@ -252,16 +233,16 @@ def main(argv=None):
         block.mlp = ExpertParallelMoE(block.mlp, cfg.dispatch, wire, group)
     model.to(device)
     named = list(model.named_parameters())  # the tied matrix once
-    replicated = [p for n, p in named if ".experts." not in n]
-    experts = [p for n, p in named if ".experts." in n]
+    experts = [p for _, p in named_experts(model)]
+    replicated = [p for _, p in named if not hasattr(p, "ep_index")]
     for p in replicated:  # the same replicas even if a user seeds ranks differently
         C.broadcast(p.data, src=0, group=group)
     optimizer = M.make_optimizer(named, cfg, device)
     # a checkpoint holds each rank's experts as dim-0 slices of the global stacked tensors;
     # rank 0 writes the replicated tensors
-    first, local = model.transformer.h[0].mlp.first, model.transformer.h[0].mlp.local
-    M.restore(run, [(n, p, (0, first, first + local), True) if ".experts." in n else (n, p, None, rank == 0)
+    M.restore(run, [(n, p, p.ep_index, True) if hasattr(p, "ep_index") else (n, p, None, rank == 0)
                     for n, p in named], optimizer)
+    local = config.n_expert // world
     step_model = torch.compile(model) if cfg.compile else model
     if rank == 0:
         print(f"expert_parallel: {world} rank{'s' * (world > 1)}, {config.n_expert} experts ({local} a rank), top {config.top_k}, "
@@ -292,7 +273,7 @@ def main(argv=None):
         with M.span("backward"):
             (loss + M.moe_loss(model)).backward()  # the experts' gradients arrive through the all-to-alls
         with M.span("optimizer"):
-            all_reduce_replicated(replicated, group)
+            C.all_reduce_flat([p.grad for p in replicated], group=group)  # averaged over the ranks
             for p in experts:  # the sum over every rank's mean -> the gradient of the global mean
                 p.grad.div_(world)
             norm = clip_global_norm(replicated, experts, cfg.grad_clip, group) if cfg.grad_clip else 0.0
@@ -325,29 +306,22 @@ def moe_stats(run, model, local):
 
 def exchange_bytes(config, cfg, world, sent=None, received=None):
     """Bytes a rank sends per step at the MoE layers. sent, received: the rows this rank
-    dispatched to other ranks' experts and received from other ranks in the step's
-    forward, summed over the layers: then it is exact; without them, the expectation
-    under uniform routing (the allgather dispatch's is exact).
-
-    A rank routes n = b·s/N tokens to k experts at each of L layers; rows are h wide,
-    `act` bytes a number (4; 2 under bf16 autocast, which the rows travel in).
-      alltoall   the counts' all-gather sends (N-1)·E·k·8 bytes (int64); each of the four
-                 all-to-alls (dispatch and combine, forward and backward) sends what this
-                 rank sends others and then what it received from them:
-                 2·(sent + received)·h·act. Under uniform routing a rank keeps 1/N of its
-                 n·k choices and sends the rest, and as many arrive: 4(N-1)/N·n·k·h·act.
-      allgather  the all-gather of the n·k choices, (N-1)·n·k·8; of the n tokens,
-                 (N-1)·n·h·act; the reduce-scatter of the N·n·k outputs, (N-1)·n·k·h·act;
-                 and backward the same pair reversed, (N-1)·n·(k + 1)·h·act:
-                 2(N-1)·n·h·act·(1+k) + (N-1)·n·k·8, N(1+k)/(2k) times the all-to-all's
-                 (3x at N = 4, k = 2), and growing with N.
-    --recompute=full reruns each block's forward in backward, up to the last tensor its
-    backward reads (torch's checkpoint stops there), the router weights' product with the
-    combined outputs: every exchange of the layer's forward again, measured so. alltoall:
-    the counts' all-gather and the forward's two all-to-alls, (N-1)·E·k·8 +
-    (sent + received)·h·act more; allgather: its forward's all-gathers and reduce-scatter,
-    (N-1)·n·k·8 + (N-1)·n·(1 + k)·h·act more (the sent and received rows the log gives are
-    the forward's, counted once).
+    dispatched to other ranks' experts and received from them in the step's forward, summed
+    over the layers: then it is exact; without them, the expectation under uniform routing
+    (the allgather dispatch's is exact). A rank routes n = b·s/N tokens to k experts at each
+    of L layers; rows are h wide, `act` bytes a number (4; 2 under bf16, as the rows travel).
+      alltoall   the counts' all-gather, (N-1)·E·k·8 (int64), and four all-to-alls (dispatch
+                 and combine, forward and backward), each sending what this rank sends others
+                 or what it received from them: 2·(sent + received)·h·act. Uniform routing
+                 keeps 1/N of the n·k choices home: 4(N-1)/N·n·k·h·act.
+      allgather  the all-gather of the n·k choices, (N-1)·n·k·8, of the n tokens,
+                 (N-1)·n·h·act, the reduce-scatter of the outputs, (N-1)·n·k·h·act, and
+                 backward the pair reversed: 2(N-1)·n·h·act·(1+k) + (N-1)·n·k·8, N(1+k)/(2k)
+                 times the all-to-all's (3x at N = 4, k = 2), growing with N.
+    --recompute=full reruns each block's forward in backward up to the router weights'
+    product with the combined outputs (torch's checkpoint stops there): every exchange of
+    the layer's forward again (alltoall: (N-1)·E·k·8 + (sent + received)·h·act; allgather:
+    (N-1)·n·k·8 + (N-1)·n·(1 + k)·h·act; the logged rows are the forward's, counted once).
     --capacity_factor applies GShard's drop rule to the global micro-batch, so N ranks drop
     what one process would."""
     L, E, k, h, N = config.n_layer, config.n_expert, config.top_k, config.n_embd, world
@@ -364,30 +338,23 @@ def exchange_bytes(config, cfg, world, sent=None, received=None):
 
 def activation_per_rank(config, cfg, world, rows=None, kept=None):
     """The bytes autograd keeps on a rank between forward and backward (act_bytes), as
-    model.activation_bytes counts a dense block's. rows: the rows this rank's experts
-    computed (the log's expert_load), kept: the choices of this rank's tokens that their
-    experts kept (L·n·k less the log's dropped_tokens), both summed over the layers: then
-    it is exact in float32; without them, the expectation under uniform routing. One
-    process (world 1, ddp.py --n_expert) keeps the same, with rows = kept.
-
-    A rank routes n = b·s/N tokens of B = b/N sequences at each of L layers; h, E, k, d as
-    in exchange_bytes. A layer keeps the dense block's attention half and LayerNorms
-    (activation_bytes less the MLP's 9dh a token, gelu 5dh), and for the MoE layer:
-      per token   the router's input (ln_2's output, d·h), its float32 softmax (4E), the
-                  top-k indices (8k, int64), the top-k weights and, for k > 1, their sum and
-                  the renormalized weights (4k + 4 + 4k), and the n·k expert outputs that
-                  the weighted sum reads (k·d·h): d·h·(1 + k) + 4E + 12k (+ 4k + 4)
+    model.activation_bytes counts a dense block's. rows: the rows this rank's experts computed
+    (the log's expert_load), kept: the choices of this rank's tokens their experts kept (L·n·k
+    less the log's dropped_tokens), both summed over the layers: then it is exact in float32;
+    without them, the expectation under uniform routing. One process (ddp.py --n_expert)
+    keeps the same, with rows = kept. With B = b/N sequences, n, h, E, k, d as in
+    exchange_bytes, a layer keeps the dense block's attention half and LayerNorms, and:
+      per token   the router's input (d·h), its float32 softmax (4E), the top-k indices (8k)
+                  and weights (4k; for k > 1 also their sum and the renormalized ones, 4 + 4k),
+                  and the k expert outputs the weighted sum reads (k·d·h)
       per layer   the balance loss's choice shares f, B·E floats
       per kept choice of this rank's tokens (alltoall)  the gather's index (8), and
-                  scatter_choices' index (8) and rows (d·h, the combined outputs): 16 + d·h
-      per expert row on this rank  the dense MLP's 9dh a token, now a row: the experts'
-                  input, the GELU's input and output (gelu: 5dh, the output recomputed)
-    --dispatch=allgather gathers and scatters this rank's experts' rows of the whole batch
-    instead: the gather's index and the rows, 8 + d·h an expert row, and scatter_choices'
-    index, a slice of the whole batch's kept choices in by_expert order, whose storage is
-    all of them: then kept counts every rank's (L·N·n·k less the ranks' dropped_tokens),
-    8 each. The all-to-alls and gathers keep nothing. full: each block's input, d·h a
-    token, as every strategy."""
+                  scatter_choices' index (8) and rows (d·h)
+      per expert row on this rank  the dense MLP's 9dh a token (gelu: 5dh)
+    --dispatch=allgather instead keeps the gather's index and rows, 8 + d·h an expert row, and
+    scatter_choices' index: a slice of the whole batch's kept choices, whose storage is all of
+    them, so kept counts every rank's (8 each). The exchanges keep nothing. full: each block's
+    input, d·h a token, as every strategy."""
     L, E, k, h, N = config.n_layer, config.n_expert, config.top_k, config.n_embd, world
     dtype = M.auto_dtype() if cfg.dtype == "auto" else cfg.dtype
     B, s, d = cfg.batch_size // N, config.block_size, 2 if dtype == "bfloat16" else 4

@@ -167,7 +167,7 @@ class Stage(nn.Module):
     this tp rank's slice of the tied matrix (lm_head.weight); one stage, or ZB-V's rank 0 (both
     ends): the same one.
     pos: this cp rank's global positions (None: all of them); ring: its attention's ring;
-    moe: MoE -> its layer on the mesh (MeshMoE), for --n_expert.
+    moe: MoE -> its layer on the mesh (expert_parallel.ExpertParallelMoE), for --n_expert.
     gather(unit): called before a unit ("ends", "head": the ends again, or a block's index)
     computes (ZeRO-3); done(unit, x): after it, on its output x (ZeRO-3 with one micro-batch
     frees it there, ShardComm.done)."""
@@ -183,7 +183,7 @@ class Stage(nn.Module):
                        for c in PP.chunks_of(schedule, n_stages, stage, n_virtual)}
         self.first, self.last = 0 in self.chunks, self.n_chunks - 1 in self.chunks
         self.transformer = nn.ModuleDict(dict(h=nn.ModuleDict(
-            {str(i): parallel_block(M.build_unit(config, i, seed), group, sp, moe) for c in self.chunks
+            {str(i): TP.parallel_block(M.build_unit(config, i, seed), group, sp, moe) for c in self.chunks
              for i in self.chunks[c]})))
         if ring is not None:  # context parallel: model.py's attend() hook, as context_parallel.use_ring
             for block in self.transformer["h"].values():
@@ -226,108 +226,12 @@ class Stage(nn.Module):
 
     def units(self):
         """[(key, [(name, parameter)])]: the stage's ends (if any), then each block, a
-        mixture's experts left out (experts())."""
+        mixture's experts left out (expert_parallel.named_experts)."""
         named = [(n, p) for n, p in self.named_parameters() if not hasattr(p, "ep_index")]
         ends = [(n, p) for n, p in named if not n.startswith("transformer.h.")]
         blocks = [(int(i), [(n, p) for n, p in named if n.startswith(f"transformer.h.{i}.")])
                   for i in self.transformer["h"]]
         return ([("ends", ends)] if ends else []) + blocks
-
-
-# -----------------------------------------------------------------------------
-# a mixture of experts on the mesh: expert_parallel's layer on the ep group
-
-
-class MeshMoE(EP.ExpertParallelMoE):
-    """expert_parallel's layer (E/ep experts here, the all-to-all or all-gather dispatch on
-    the ep group, the router replicated), in tensor parallel's (s, b, h) layout, not tp-split:
-    every tp rank runs the same tokens through the same experts, each in its own ep group.
-    Its balance loss is the one-process run's: per whole sequence (with cp, the sequence's
-    sums over the cp ring), its gradient added where the layer is (_AuxLoss): aux_scale =
-    aux_loss_coef / (layers · micro-batches). Its messages go on the ep group, a group of its
-    own even where its ranks are another axis' (ep = cp, or ep = dp_shard without cp):
-    collectives.py counts bytes by the group that sends them, so each axis logs its own."""
-
-    def __init__(self, moe, mode, wire_dtype, group, cp_group, aux_scale):
-        super().__init__(moe, mode, wire_dtype, group)
-        self.cp_group, self.aux_scale = cp_group, aux_scale
-        for p in self.experts.parameters():  # the checkpoint's slice: dim 0, the experts held here
-            p.ep_index = (0, self.first, self.first + self.local)
-
-    def forward(self, x):
-        s, b, h = x.shape
-        tokens = x.reshape(-1, h)  # position-major: only a capacity's drop order would care, and it is refused
-        probs, weights, chosen = M.route(self.router, tokens, self.config.top_k)
-        self.aux = balance_loss(probs.view(s, b, -1), chosen.view(s, b, -1), self.cp_group)
-        out, stats = self.run_experts(tokens, chosen)
-        y = (weights.unsqueeze(-1) * out).sum(1)
-        if self.training and not M.rerunning():
-            for name, v in dict(stats, aux_loss=self.aux.detach(), forwards=1).items():
-                self.tally[name] = self.tally.get(name, 0) + v
-        if torch.is_grad_enabled():
-            y = _AuxLoss.apply(y, self.aux, self.aux_scale)
-        return y.view(s, b, h).to(x.dtype)
-
-
-def balance_loss(probs, chosen, cp_group):
-    """model.balance_loss on (s, b, E) probabilities and (s, b, k) choices: E·Σ_e f_e·P_e per
-    sequence, averaged. With cp a sequence's positions lie on cp ranks: the per-sequence
-    counts and probability sums are summed over the ring first (one all-reduce of b·2E floats)."""
-    s, b, E = probs.shape
-    both = torch.cat([F.one_hot(chosen, E).sum((0, 2)).float(), probs.sum(0)], -1)  # (b, 2E)
-    if C.get_world_size(cp_group) > 1:
-        both = _SumShared.apply(both, cp_group)
-    f, P = both.split(E, -1)
-    T = s * C.get_world_size(cp_group)  # the whole sequence
-    return E * (f / (T * chosen.shape[-1]) * (P / T)).sum(-1).mean()
-
-
-class _SumShared(torch.autograd.Function):
-    """The sum over the group, which every rank then uses alike. Backward: the gradient times
-    n, no message: the n ranks' losses are the same function of the sum, so each rank's share
-    gets the same gradient from each, and the gradients' mean over the cp group divides by n."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.n = C.get_world_size(group)
-        out = x.clone()
-        C.all_reduce(out, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad * ctx.n, None
-
-
-class _AuxLoss(torch.autograd.Function):
-    """y unchanged; backward also gives the balance loss its gradient, `scale` (Megatron-Core's
-    MoEAuxLossAutoScaler): each stage's layers add their term to the objective where they are,
-    with nothing carried down the pipeline."""
-
-    @staticmethod
-    def forward(ctx, y, aux, scale):
-        ctx.scale = torch.full_like(aux, scale)
-        return y.view_as(y)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, ctx.scale, None
-
-
-def parallel_block(block, group, sp, moe=None):
-    """tensor_parallel's block; a mixture's block has only its attention tp-split, its MLP
-    the mesh's MoE layer (moe(block.mlp))."""
-    if moe is None:
-        return TP.parallel_block(block, group, sp)
-    block.attn.c_attn = TP.ColumnParallelLinear(block.attn.c_attn, group, sp, parts=3)
-    block.attn.c_proj = TP.RowParallelLinear(block.attn.c_proj, group, sp)
-    block.mlp = moe(block.mlp)
-    return block
-
-
-def experts(stage):
-    """[(name, parameter)]: this rank's experts, E/ep of each of the stage's MoE layers."""
-    return [(n, p) for n, p in stage.named_parameters() if hasattr(p, "ep_index")]
 
 
 class Executor(PP.Executor):
@@ -675,7 +579,7 @@ def layout(cfg, config, world, check=True):
         M.die(f"--tp={tp} must divide the {config.n_head} heads and the padded vocabulary ({config.vocab_size})")
     if cfg.sequence_parallel and config.block_size % tp:
         M.die(f"--sequence_parallel needs --block_size ({config.block_size}) divisible by --tp={tp}")
-    if cfg.attention not in CP.METHODS:
+    if cfg.attention not in CP.ATTENTION:
         M.die(f"--attention takes ring or ulysses, not {cfg.attention!r}")
     if cfg.attention == "ulysses" and config.n_head % (tp * cp):
         M.die(f"--attention=ulysses needs --tp x --cp = {tp * cp} to divide the {config.n_head} heads")
@@ -733,7 +637,7 @@ def build_stage(cfg, config, mesh, me, groups, device):
     make_moe = None
     if config.n_expert:
         wire = torch.bfloat16 if cfg.dtype == "bfloat16" else None  # the rows travel in the compute dtype
-        make_moe = partial(MeshMoE, mode=cfg.dispatch, wire_dtype=wire, group=groups["ep"], cp_group=groups["cp"],
+        make_moe = partial(EP.ExpertParallelMoE, mode=cfg.dispatch, wire_dtype=wire, group=groups["ep"], cp_group=groups["cp"],
                            aux_scale=config.aux_loss_coef / (config.n_layer * cfg.n_micro))
     stage = Stage(config, me.pp, mesh.pp, cfg.seed, groups["tp"], cfg.sequence_parallel, PP.virtual_stages(cfg),
                   pos, ring, make_moe, cfg.attention, cfg.schedule).to(device)
@@ -747,7 +651,7 @@ def build_data_parallel(run, cfg, mesh, me, groups, stage):
     otherwise the parameters whole, with dp_replicate's buckets (ddp.py's). A mixture's
     experts stay whole (E/ep of each layer), out of the units and the buckets."""
     dp = SimpleNamespace(units=[], buckets=None, comm=None, pieces=[], zero=cfg.zero_stage if mesh.dp_shard > 1 else 0)
-    expert_named = experts(stage)
+    expert_named = EP.named_experts(stage)
     dp.experts = [p for _, p in expert_named]
     dp.params = [p for p in stage.parameters() if not hasattr(p, "ep_index")]
     dp.replicated = TP.split_params(stage)[1]
@@ -864,7 +768,7 @@ def reduce_gradients(dp, stage, cfg, groups, me):
     if dp.buckets:
         dp.buckets.reduce()  # dp_replicate: the average over the replicas (waits for the overlapped ones)
     if cfg.sequence_parallel:
-        TP.sum_replicated_grads(dp.replicated, groups["tp"])  # tp: replicas saw only their positions
+        C.all_reduce_flat([p.grad for p in dp.replicated], op="sum", group=groups["tp"])  # tp: replicas saw only their positions
     PP.sum_tied_grads(stage, groups["pp"])  # pp: the tie, between the two ends
     if dp.units:
         dp.comm.reduce_scatter(dp.units)  # dp_shard: each unit's gradient into this rank's shard

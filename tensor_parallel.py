@@ -26,7 +26,10 @@ and is the identity backward: per block 2 all-reduces of b·s·h activations for
 al. 2022) keeps s/N positions a rank between the regions, where LayerNorm, dropout and
 the residual adds treat each token alone: g becomes a reduce-scatter and f an
 all-gather (backward, each is the other), the same bytes and N times smaller LayerNorm
-and dropout activations. traffic_per_rank() derives the bytes.
+and dropout activations.
+
+The lesson is everything above main(); below the fence after it, the byte formulas the
+tests hold the log to (activation_per_rank, traffic_per_rank).
 """
 from functools import partial
 
@@ -37,7 +40,10 @@ import torch.nn.functional as F
 import collectives as C
 import model as M
 
-DEFAULTS = dict(M.TRAIN_DEFAULTS, sequence_parallel=False)
+DEFAULTS = dict(
+    M.TRAIN_DEFAULTS,
+    sequence_parallel=False,  # keep s/N positions a rank between the regions (f an all-gather, g a reduce-scatter)
+)
 
 # -----------------------------------------------------------------------------
 # f and g: where a parallel region starts and ends (the names of Megatron's mappings.py)
@@ -86,48 +92,6 @@ class _ReduceFromParallelRegion(torch.autograd.Function):
         return grad, None
 
 
-class _GatherFromSequenceParallelRegion(torch.autograd.Function):
-    """f with sequence parallelism: all-gather the sequence, (s/N, b, h) -> (s, b, h).
-    Backward: the gradient for the whole sequence is partial on each rank (as in f),
-    and each rank needs only its positions of the sum: a reduce-scatter."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        out = x.new_empty((C.get_world_size(group) * x.shape[0], *x.shape[1:]))
-        with M.span("all_gather f (forward)", comm=True):
-            C.all_gather(out, x, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        out = grad.new_empty((grad.shape[0] // C.get_world_size(ctx.group), *grad.shape[1:]))
-        with M.span("reduce_scatter f (backward)", comm=True):
-            C.reduce_scatter(out, grad, group=ctx.group)
-        return out, None
-
-
-class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
-    """g with sequence parallelism: sum the partial outputs and keep this rank's
-    positions, (s, b, h) -> (s/N, b, h). Backward: every rank needs the gradient of the
-    whole sequence: an all-gather."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        out = x.new_empty((x.shape[0] // C.get_world_size(group), *x.shape[1:]))
-        with M.span("reduce_scatter g (forward)", comm=True):
-            C.reduce_scatter(out, x, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        out = grad.new_empty((C.get_world_size(ctx.group) * grad.shape[0], *grad.shape[1:]))
-        with M.span("all_gather g (backward)", comm=True):
-            C.all_gather(out, grad, group=ctx.group)
-        return out, None
-
-
 # torch.compile runs these eagerly (a graph break) and compiles the math in between
 @torch.compiler.disable
 def copy_to_parallel_region(x, group=None):
@@ -145,16 +109,14 @@ def reduce_from_parallel_region(x, group=None):
 @torch.compiler.disable
 def gather_from_sequence_parallel_region(x, group=None):
     """f with sequence parallelism: (s/N, b, h) in the matmul's dtype, all-gathered to
-    (s, b, h); the gradient reduce-scattered."""
-    x = as_matmul_input(x)
-    return x if C.get_world_size(group) == 1 else _GatherFromSequenceParallelRegion.apply(x, group)
+    (s, b, h); backward, the gradient (partial on each rank, as in f) reduce-scattered."""
+    return C.all_gather_rows(as_matmul_input(x), group, name="f")
 
 
-@torch.compiler.disable
 def reduce_scatter_to_sequence_parallel_region(x, group=None):
     """g with sequence parallelism: (s, b, h) partial sums reduce-scattered to (s/N, b, h);
-    the gradient all-gathered."""
-    return x if C.get_world_size(group) == 1 else _ReduceScatterToSequenceParallelRegion.apply(x, group)
+    backward, the gradient all-gathered: every rank needs the whole sequence's."""
+    return C.reduce_scatter_rows(x, group, name="g")
 
 
 def region_ops(sp):
@@ -302,27 +264,28 @@ def sharded_param(full, dim, group, parts=1):
 # -----------------------------------------------------------------------------
 # the model: each rank's slice of model.GPT(config, seed)
 #
-# What it buys: each rank holds 1/N of the parameters, gradients and Adam state (16Ψ/N
-# bytes in float32, plus the small replicas), and 1/N of the activations inside the
-# regions: s·b·h(10 + 24/N + 5as/(hN)) bytes per layer instead of s·b·h(34 + 5as/h)
-# (16-bit activations, a heads; Korthikanti et al. 2022, "Reducing activation
-# recomputation"); sequence parallelism shrinks the LayerNorm and dropout part N times.
+# What it buys: each rank holds 1/N of the parameters, gradients and Adam state, and 1/N
+# of the activations inside the regions (Korthikanti et al. 2022: s·b·h(10 + 24/N +
+# 5as/(hN)) bytes a layer instead of s·b·h(34 + 5as/h), 16-bit, a heads).
 #
 # Layout. The residual stream is (s, b, h), sequence first, as in Megatron: a rank's
-# sequence-parallel positions are then one contiguous block (rows [r·s/N, (r+1)·s/N)),
-# so the all-gathers and reduce-scatters need no copies and no transposes. Besides the
-# attention output (see attention()) only the b·s target ids are copied (flattened from
-# an (s, b) view); f's backward and g's forward reduce in place.
+# sequence-parallel positions are one contiguous block of rows, so the all-gathers and
+# reduce-scatters need no copies and no transposes.
 #
 # Dropout (0 by default): every rank draws from one seed, so the replicated regions'
 # masks agree and the replicas stay equal, but inside a region the ranks' heads draw the
 # same masks; Megatron forks a per-rank generator there.
 
 
-def parallel_block(block, group=None, sp=False):
-    """A model.Block cut down to this rank's heads and MLP columns (in place)."""
+def parallel_block(block, group=None, sp=False, moe=None):
+    """A model.Block cut down to this rank's heads and MLP columns (in place). A mixture of
+    experts' block (parallel_nd.py) keeps its MLP's place for moe(block.mlp), the layer that
+    replaces model.MoE there (expert_parallel.ExpertParallelMoE), not tp-split."""
     block.attn.c_attn = ColumnParallelLinear(block.attn.c_attn, group, sp, parts=3)
     block.attn.c_proj = RowParallelLinear(block.attn.c_proj, group, sp)
+    if moe is not None:
+        block.mlp = moe(block.mlp)
+        return block
     block.mlp.c_fc = ColumnParallelLinear(block.mlp.c_fc, group, sp)
     block.mlp.c_proj = RowParallelLinear(block.mlp.c_proj, group, sp)
     return block
@@ -406,18 +369,6 @@ def checkpoint_entries(model, group=None):
 # the gradient: replicas, and the global norm
 
 
-def sum_replicated_grads(replicated, group=None):
-    """Sequence parallel only: a replicated parameter (LayerNorm, row-parallel bias,
-    position embedding) met only this rank's positions, so its gradient is a partial
-    sum: all-reduce them, all packed in one float32 message."""
-    if C.get_world_size(group) == 1:
-        return
-    flat = torch.cat([p.grad.reshape(-1) for p in replicated])
-    C.all_reduce(flat, group=group)
-    for p, g in zip(replicated, flat.split([p.numel() for p in replicated])):
-        p.grad.copy_(g.view_as(p))
-
-
 def grad_sq_norm(sharded, replicated, group=None):
     """This rank's share of the squared norm of the whole model's gradient: its shards,
     and the replicas on the group's first rank only (every rank holds the same replica
@@ -490,8 +441,8 @@ def main(argv=None):
         # all-reduce hands every rank the same sum), so every rank computes the same
         # gradient, takes the same AdamW step, and the copies never drift apart.
         with M.span("optimizer"):
-            if sp:
-                sum_replicated_grads(replicated, group)
+            if sp:  # a replica met only this rank's positions: its gradient is a partial sum
+                C.all_reduce_flat([p.grad for p in replicated], op="sum", group=group)
             norm = clip_global_norm(sharded, replicated, cfg.grad_clip, group) if cfg.grad_clip else 0.0
             optimizer.step()
         # ---------------------------------------------------------------- end of the training step
@@ -523,34 +474,24 @@ def activation_per_rank(config, cfg, world):
 
 
 def traffic_per_rank(config, cfg, world):
-    """Bytes a rank sends per step, on average over the ranks.
-
-    A ring all-reduce of S bytes is a reduce-scatter then an all-gather, N-1 steps of S/N
-    each: every rank sends 2(N-1)/N·S. (collectives.py all-reduces messages under its
-    SMALL_ALL_REDUCE_BYTES with a binomial tree instead: the same total, unevenly over
-    the ranks; the tests count both exactly.) With b·s tokens a step, h = n_embd, L
-    layers and d the compute dtype's bytes (4 float32, 2 bfloat16), what is all-reduced:
+    """Bytes a rank sends per step, on average over the ranks (docs/tensor_parallel.md). An
+    all-reduce of S bytes sends 2(N-1)/N·S a rank (the ring's; collectives.py's tree for small
+    messages sends the same total, unevenly: the tests count both exactly). With b·s tokens,
+    h = n_embd, L layers and d the compute dtype's bytes, what is all-reduced:
       blocks     2 g's forward, 2 f's backward, b·s·h each: 4L, in the compute dtype
-                 (--recompute=full: backward reruns each block's forward, and the rerun stops
-                 once it has every tensor backward reads (torch's checkpoint "early stop"): the
-                 block's last g, whose output nothing keeps, is not sent again; so 5L, or with
-                 sequence parallelism 5.5L: the attention's all-gather and reduce-scatter and
-                 the MLP's all-gather again)
+                 (--recompute=full reruns each block's forward up to the last tensor backward
+                 reads, torch's checkpoint "early stop": the last g is not sent again, so 5L;
+                 with sequence parallelism 5.5L, the attention's all-gather and reduce-scatter
+                 and the MLP's all-gather again)
       head       its f, backward: 1 more, in the compute dtype (f casts its input first)
       embedding  its g, forward: b·s·h float32 rows, as the one-process run keeps them
       loss       3 all-reduces of b·s float32 numbers (max, target logit, sum of exp)
       norm       the squared gradient norm, 1 float
-    so  2(N-1)/N · b·s·h · ((4L + 1)·d + 4)  +  3 · 2(N-1)/N · b·s·4  +  2(N-1)/N · 4,
-    which in float32 is (4L + 2) · 2(N-1)/N · 4·b·s·h (docs/tensor_parallel.md), plus the
-    loss's and the norm's few bytes.
-    --sequence_parallel: each all-reduce becomes a reduce-scatter plus an all-gather,
-    (N-1)/N·S each: the same bytes. The replicated parameters (LayerNorms and their
-    biases, row-parallel biases, ln_f, wpe) now see only their rank's positions, so their
-    gradients are all-reduced once a step in float32: 2(N-1)/N · (6Lh + 2h + block_size·h)
-    · 4 more (2Lh + h + block_size·h without biases).
-    Unlike DDP's, this traffic grows with the batch, not the model; it sits on the
-    critical path of every layer, forward and backward; and it does not shrink as N
-    grows: tensor parallelism is for the fast links inside one node."""
+    so  2(N-1)/N · b·s·h · ((4L + 1)·d + 4)  +  3 · 2(N-1)/N · b·s·4  +  2(N-1)/N · 4.
+    --sequence_parallel: each all-reduce becomes a reduce-scatter plus an all-gather, the same
+    bytes; and the replicas (LayerNorms, row-parallel biases, ln_f, wpe), which now see only
+    their rank's positions, have their gradients all-reduced in float32: 2(N-1)/N · (6Lh + 2h
+    + block_size·h) · 4 more (2Lh + h + block_size·h without biases)."""
     dtype = M.auto_dtype() if cfg.dtype == "auto" else cfg.dtype
     d = 2 if dtype == "bfloat16" else 4
     ar = 2 * (world - 1) / world  # an all-reduce, or a reduce-scatter plus an all-gather

@@ -183,10 +183,11 @@ EXERCISES = [
         "Ulysses: one all-to-all turns my positions of every head into every position of my heads, one turns it back",
         25,
         "seq_to_heads: cut x's heads (dim -3) into ring.n groups and stack them (group j goes to rank j); "
-        "C.all_to_all(recv, send, group=ring.group); part i of recv is rank i's positions of my heads: concatenate "
-        "the parts along the positions (dim -2), then put the positions in order (index them by "
-        "torch.argsort(order)). heads_to_seq, the inverse: take y's positions in the ranks' order (y[..., order, :]), "
-        "cut them into ring.n parts (part i: rank i's positions), all-to-all, and concatenate what arrives along the "
+        "C.all_to_all_rows(send, group=ring.group) exchanges them, its backward included; part i of what arrives "
+        "is rank i's positions of my heads: concatenate the parts along the positions (dim -2), in position "
+        "order: under ring.layout == 'zigzag' part i holds chunks i and 2N-1-i of 2N, so the early halves "
+        "first, then the late halves in reverse. heads_to_seq, the inverse: cut y's positions into the ranks' "
+        "parts (zigzag: chunks i and 2N-1-i), stack them, all-to-all, and concatenate what arrives along the "
         "heads (dim -3). Bytes: (N-1)/N of each tensor, each way.",
         [("train", "context_parallel", ["--attention=ulysses", "--layout=zigzag"])], (2,)),
     Exercise(

@@ -78,7 +78,7 @@ def check_layers(rank, world):
         sharded, replicated = TP.split_params(par)
         assert sharded, f"{what}: nothing is sharded"
         if sp and replicated:
-            TP.sum_replicated_grads(replicated)
+            C.all_reduce_flat([p.grad for p in replicated], op="sum")
         for n, p in par.named_parameters():
             expected = TP.take(grads[n], p.tp_index) if hasattr(p, "tp_index") else grads[n]
             close(p.grad, expected, f"{what} {n}.grad")
@@ -207,7 +207,7 @@ def train_pieces(train_args, group, sp, steps):
         loss = TP.forward(model, x, y, group, sp)
         loss.backward()
         if sp:
-            TP.sum_replicated_grads(replicated, group)
+            C.all_reduce_flat([p.grad for p in replicated], op="sum", group=group)
         TP.clip_global_norm(sharded, replicated, cfg.grad_clip, group)
         optimizer.step()
         losses.append(loss.item())
