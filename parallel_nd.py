@@ -53,7 +53,7 @@ import tensor_parallel as TP
 
 DEFAULTS = dict(M.TRAIN_DEFAULTS, pp=1, dp_replicate=0, dp_shard=1, cp=1, tp=1, zero_stage=3,
                 layout="zigzag", schedule="1f1b", n_micro=0, virtual_stages=2, sequence_parallel=False,
-                bucket_mb=25.0, overlap=True, ep=1, dispatch="alltoall", attention="ring")
+                bucket_mb=25.0, overlap=True, prefetch=1, ep=1, dispatch="alltoall", attention="ring")
 Mesh = namedtuple("Mesh", "pp dp_replicate dp_shard cp tp")  # outermost to innermost
 AXES = Mesh._fields
 CREATED = AXES[::-1]  # the order every rank creates the groups in: innermost first
@@ -363,217 +363,49 @@ class Executor(PP.Executor):
                                                                   mod.group) + (0 if mod.bias is None else mod.bias)
 
 # -----------------------------------------------------------------------------
-# dp_shard: a stage's units sharded over the shard group (fsdp.py's ZeRO, on module parameters)
+# dp_shard: a stage's units sharded over the shard group (fsdp.py's Unit, Gathers, GradReduces)
 
 
-def gather_once(u):
-    """A unit's full weights, unless it holds them already (a pipeline's ZeRO-3 keeps them to the step's end)."""
-    if not u.full[0].untyped_storage().nbytes():
-        u.gather()
-
-
-class Handoff(torch.autograd.Function):
-    """The activation between two units, unchanged; its gradient, on its way back, is where
-    the later unit's backward is over (it needs its weights no more) and the earlier one's
-    begins: ShardComm.handoff frees the one and gathers the other."""
-
-    @staticmethod
-    def forward(ctx, x, comm, j):
-        ctx.comm, ctx.j = comm, j
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        ctx.comm.handoff(ctx.j)
-        return grad, None, None
-
-
-class ShardComm:
-    """The dp_shard axis' messages in a step. ZeRO-3 gathers each unit just before it
-    computes (gather(key), the stage's hook). In a pipeline (reshard False) it keeps it to the
+def shard_hooks(dp, stage, reshard):
+    """The stage's ZeRO-3 hooks, on fsdp.Gathers (dp.gathers: one pass's, made per pass). gather(key):
+    before unit `key` computes ("ends"; "head": the ends again; a block's index), its all-gather
+    waited for and the next ones issued. In a pipeline (reshard False) a unit is kept to the
     step's end (torchtitan's reshard_after_forward=False: every micro-batch's forward and
-    backward reuse one gather). With one micro-batch and no pipeline (reshard True) it frees
-    each unit after its forward (done(key, x), the stage's other hook) and gathers it again
-    before its backward (Handoff), as fsdp.py does: two all-gathers a step, and at most one
-    unit's full weights at once (two with overlap's prefetch). The ends are gathered twice
-    in forward (embedding, head) and not in backward: the head's backward runs first, and the
-    embedding's needs no weights. Every unit's gradient
-    is reduce-scattered once a step (reduce_scatter). overlap (--overlap): the next unit's
-    all-gather, in its chunk's order (an interleaved stage's next chunk runs after other work:
-    its weights would only be held longer), is issued as one is taken, to travel while it
-    computes; and a unit's reduce-scatter is issued as soon as its gradient is complete, the
-    last micro-batch's backward having reached each of its parameters (the Executor sets
-    `sync` for that micro-batch, as for ddp.py's buckets), then waited for in
-    reduce_gradients. `early`: the units that may go then; not those whose gradients change
-    after backward (the tied ends: the tie's sum; all under sequence parallelism: tp's sum of
-    the replicas). waits: (start, end) of each wait on the axis' messages in the step, read
-    by exposed_ms() after it (an instrument: on a GPU, reading them waits for the device)."""
+    backward reuse one gather). With one micro-batch and no pipeline (reshard) done(key, x)
+    frees it after its forward, and a Handoff on x gathers it again before its backward (the
+    embedding's needs no weights), as fsdp.py does: two all-gathers a step."""
+    unit = lambda key: dp.by_key["ends" if key == "head" else key]  # noqa: E731
 
-    def __init__(self, keyed, overlap, early, order, reshard=False):
-        self.units, self.overlap, self.next, self.reshard = dict(keyed), overlap, {}, reshard
-        for keys in order:  # per chunk, its units in the order they compute: prefetch stays inside a chunk
-            for key, after in zip(keys, keys[1:]):
-                self.next.setdefault(key, after)
-        self.forward_order = order[0] + ["head"] if reshard else []  # one chunk: the ends, the blocks, the head
-        self.sync, self.waits, self.gathering, self.reducing, self.seen, self.sent = False, [], {}, None, {}, set()
-        for u in early if overlap else []:
-            for p in u.params:
-                p.register_post_accumulate_grad_hook(partial(self._accumulated, u))
-
-    @torch.compiler.disable  # under --compile: messages and a clock, run as they are between the graphs
-    def gather(self, key, ahead="next"):  # ahead: the unit to prefetch (None: none), forward's next by default
-        u = self.unit(key)
-        self._start(u)
-        t0 = M.now(u.full[0].device)
-        for h in self.gathering.pop(u, []):
-            h.wait()
-        self.waits.append((t0, M.now(u.full[0].device)))
-        ahead = self.next.get(key) if ahead == "next" else ahead
-        if self.overlap and ahead is not None:
-            self._start(self.unit(ahead))  # travels while u computes
-
-    def unit(self, key):
-        return self.units["ends" if key == "head" else key]
+    @torch.compiler.disable  # under --compile: messages, run as they are between the graphs
+    def gather(key):
+        dp.gathers.take(unit(key))
+        dp.gathers.prefetch()  # the next units' all-gathers travel while this one computes
 
     @torch.compiler.disable
-    def done(self, key, x):
-        """After unit `key`'s forward (reshard): its weights go; x carries the handoff back."""
-        if not self.reshard:
+    def done(key, x):
+        if not reshard:
             return x
-        self.unit(key).free()
-        return Handoff.apply(x, self, self.forward_order.index(key)) if torch.is_grad_enabled() else x
+        dp.gathers.free(unit(key))
+        if not torch.is_grad_enabled():
+            return x
+        j = dp.forward_order.index(key)
 
-    @torch.compiler.disable
-    def handoff(self, j):
-        """Backward reached the output of forward_order[j]: the unit after it is done (free),
-        forward_order[j] comes back (but the embedding, which needs no weights), and with
-        overlap the one before it is on its way."""
-        order = self.forward_order
-        self.unit(order[j + 1]).free()
-        if j > 0:
-            self.gather(order[j], ahead=order[j - 1] if j > 1 else None)
-
-    def _start(self, u):
-        if not u.full[0].untyped_storage().nbytes():
-            self.gathering[u] = u.gather(async_op=True)
-
-    def _accumulated(self, u, p):
-        if self.sync:
-            self.seen[u] = self.seen.get(u, 0) + 1
-            if self.seen[u] == len(u.params):  # u's gradient is complete: on its way now
-                # fsdp.py's order: the previous unit's reduce-scatter finished (its flat copy freed)
-                # as this one starts, and this one's .grad dropped (the flat copy is on its way),
-                # so backward ends holding one unit's gradient in flight, not two copies of all
-                self._finish()
-                self.reducing, self.sent = (u, start_reduce(u)), self.sent | {u}
-                drop_grads(u)
-
-    def _finish(self):
-        if self.reducing:
-            finish_reduce(*self.reducing)
-            self.reducing = None
-
-    def reduce_scatter(self, units):
-        """Every unit's gradient averaged over the shard group into this rank's gradient shard:
-        the one on its way waited for, the rest sent now."""
-        t0 = M.now(units[0].full[0].device)
-        self._finish()
-        for u in units:
-            if u not in self.sent:
-                finish_reduce(u, start_reduce(u))
-        self.seen, self.sent = {}, set()
-        self.waits.append((t0, M.now(units[0].full[0].device)))
-
-    def exposed_ms(self):
-        return 1000 * sum(M.elapsed(t0, t1) for t0, t1 in self.waits)
+        def then():  # backward reached key's output: the unit after it is done, key's begins
+            dp.gathers.free(unit(dp.forward_order[j + 1]))
+            if j > 0:
+                gather(key)
+        return FSDP.Handoff.apply(x, then)
+    stage.gather, stage.done = gather, done
 
 
-def zero_grad(u):
-    """Before a step: ZeRO-1's full gradient zeroed and handed to autograd as the parameters'
-    .grad (it accumulates into them in place); ZeRO-2/3: none, autograd allocates."""
-    if u.stage == 1:
-        for g in u.full_grad:
-            g.zero_()
-        for p, view in zip(u.params, u.views(u.full_grad)):
-            p.grad = view
-
-
-def start_reduce(u):
-    """Start reduce-scattering the unit's full gradient (every micro-batch's, summed). Whatever
-    gradient autograd left ends in the flat buffer: ZeRO-1's .grad replaced by another tensor
-    (a caller's zero_grad(set_to_none=True)) is added into it, not lost."""
-    if u.stage == 1:
-        for p, view in zip(u.params, u.views(u.full_grad)):
-            if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
-                view += p.grad
-        return u.reduce_scatter(u.full_grad)
-    return u.reduce_scatter(u.flat_grads([p.grad if p.grad is not None else torch.zeros_like(p) for p in u.params]))
-
-
-def finish_reduce(u, reducing):
-    """The average over the shard group into the gradient shard; ZeRO-2/3 drop the full gradient."""
-    FSDP.add_reduced(reducing, replace=True)
-    drop_grads(u)
-
-
-def drop_grads(u):
-    if u.stage > 1:
-        for p in u.params:
-            p.grad = None
-
-
-class FullState:
-    """What model.py's checkpoints see of the sharded optimizer: its param_groups (the
-    learning rate), and a `state` keyed by the stage's full (tp-sliced) parameters (a bf16
-    part's: their fp32 copies, gather_masters), so a checkpoint holds global tensors that any
-    layout loads: unshard() fills it before a save; restore() fills it from a checkpoint, and
-    reshard() hands it to the shards."""
-
-    def __init__(self, optimizer):
-        self.optimizer, self.state = optimizer, {}
-
-    @property
-    def param_groups(self):
-        return self.optimizer.param_groups
-
-
-@torch.no_grad()
-def unshard(dp):
-    """Every unit's full weights (ZeRO-3: gathered) and Adam's moments all-gathered over the
-    shard group into full-parameter tensors, for a checkpoint (with the experts' moments, kept
-    whole). Untracked: not training traffic."""
-    optimizer, full_state = dp.optimizer, dp.full_state
-    full_state.state.update({p: optimizer.state[p] for p in dp.experts})
-    with C.untracked():
-        for u in dp.units:
-            gather_once(u)
-            gather_masters(u)
-            moments = {}
-            for m in M.MOMENTS:
-                mine = [torch.zeros_like(t) for t in u.masters]  # this rank's pieces, where they lie in the full part
-                views = dict(zip(map(id, u.params), u.views(mine)))
-                for _, piece, p, lo, hi in u.mine:
-                    views[id(p)].view(-1)[lo:hi] = optimizer.state[piece][m].reshape(-1)
-                moments[m] = [torch.empty_like(t) for t in mine]
-                for out, flat, (*_, size) in zip(moments[m], mine, u.parts):
-                    C.all_gather(out, flat[u.rank * size:(u.rank + 1) * size].clone(), group=u.group)
-            for p, *views in zip(u.master_views, *(u.views(moments[m]) for m in M.MOMENTS)):
-                full_state.state[p] = dict(zip(M.MOMENTS, views))
-
-
-@torch.no_grad()
-def reshard(units, full_state, optimizer):
-    """After restore() loaded the full parameters and their moments: each rank keeps its shard
-    of both (and the step count), as the run had them when it saved."""
-    for u in units:
-        for shard, master, (*_, size) in zip(u.shards, u.masters, u.parts):
-            shard.copy_(master[u.rank * size:(u.rank + 1) * size])
-        master_of = dict(zip(map(id, u.params), u.master_views))
-        for _, piece, p, lo, hi in u.mine:
-            state = full_state.state.get(master_of[id(p)])
-            if state:
-                optimizer.state[piece] = dict(step=state["step"].clone(), **{
-                    m: state[m].reshape(-1)[lo:hi].reshape(piece.shape).clone() for m in M.MOMENTS})
+def new_pass(dp, train):
+    """The all-gathers of one pass (a step, or one validation batch): the units in the order
+    they compute, forward (and backward's blocks with reshard), or once each in a pipeline."""
+    if dp.zero == 3:
+        units = [dp.by_key["ends" if k == "head" else k] for k in dp.forward_order]
+        if dp.reshard:
+            units += units[-2:0:-1] if train else []
+        dp.gathers = FSDP.Gathers(list(dict.fromkeys(units)) if not dp.reshard else units, dp.prefetch)
 
 
 def average(tensors, group):
@@ -648,10 +480,8 @@ def state_bytes(dp, stage):
         grads = (dp.buckets.buffers if dp.buckets else [p.grad for p in dp.params]) + [p.grad for p in dp.experts]
         return (M.tensor_bytes(dp.params + dp.experts) + M.tensor_bytes(grads)
                 + M.optimizer_state_bytes(dp.optimizer))
-    kept = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-            for t in [p for p in stage.parameters()] + [p.grad for p in stage.parameters() if p.grad is not None]
-            + [t for u in dp.units for t in u.shards + u.grads + u.full_grad]}
-    return sum(kept.values()) + M.optimizer_state_bytes(dp.optimizer)
+    params = list(stage.parameters())  # the units' (views of their full weights) and the experts
+    return FSDP.state_bytes(dp.units, dp.optimizer, params + [p.grad for p in params if p.grad is not None])
 
 # -----------------------------------------------------------------------------
 # the run
@@ -715,8 +545,8 @@ def check_flags(cfg):
     if cfg.zero_stage not in (1, 2, 3):
         M.die(f"--zero_stage takes 1, 2 or 3, not {cfg.zero_stage}")
     cfg.n_micro = cfg.n_micro or (2 * cfg.pp if cfg.pp > 1 else 1)  # a pipeline needs m >= pp to fill
-    if cfg.n_micro < 1 or cfg.bucket_mb <= 0:
-        M.die("--n_micro must be at least 1 and --bucket_mb positive")
+    if cfg.n_micro < 1 or cfg.bucket_mb <= 0 or cfg.prefetch < 0:
+        M.die("--n_micro must be at least 1, --bucket_mb positive and --prefetch at least 0")
     if cfg.cp > 1 and (cfg.sequence_parallel or cfg.dropout):
         M.die("--cp > 1 needs --sequence_parallel=False and --dropout=0: the ring holds whole sequences' "
               "chunks, and its backward recomputes the attention weights without forward's masks")
@@ -752,29 +582,28 @@ def build_data_parallel(run, cfg, mesh, me, groups, stage):
     dp.params = [p for p in stage.parameters() if not hasattr(p, "ep_index")]
     dp.replicated = TP.split_params(stage)[1]
     if dp.zero:
-        after_forward = frees_after_forward(cfg, mesh)
+        dp.reshard = frees_after_forward(cfg, mesh)
         # gathered in the compute dtype, as fsdp.py does, where the weights are freed after forward:
         # gathered in fp32, each linear's autocast copy would be saved for backward, all of them
         # alive from forward to backward. (Kept to the step's end, in a pipeline, the weights'
         # gradients accumulate over micro-batches: in fp32, so the units stay fp32 there.)
-        low = torch.bfloat16 if cfg.dtype == "bfloat16" and after_forward else torch.float32
-        keyed = [(key, FSDP.Unit(named, groups["dp_shard"], dp.zero, run.device, low, name=str(key)))
-                 for key, named in stage.units()]
-        dp.units = [u for _, u in keyed]
-        tied = stage.tied()
-        early = [] if cfg.sequence_parallel else [u for u in dp.units if all(p is not tied for p in u.params)]
-        order = [[k for k in ["ends"] * (c in (0, stage.n_chunks - 1)) + list(stage.chunks[c]) if k in dict(keyed)]
-                 for c in stage.chunks]  # each chunk's units in the order its forward takes them
+        low = torch.bfloat16 if cfg.dtype == "bfloat16" and dp.reshard else torch.float32
         dp.live = FSDP.LiveUnits()  # an instrument: the most units gathered at once in a step
-        for u in dp.units:
-            u.live = dp.live
-        dp.comm = ShardComm(keyed, cfg.overlap, early, order, after_forward)
+        dp.by_key = {key: FSDP.Unit(named, groups["dp_shard"], dp.zero, run.device, low, str(key), dp.live)
+                     for key, named in stage.units()}
+        dp.units = list(dp.by_key.values())
+        tied = stage.tied()
+        # the units whose reduce-scatter may start in backward: not those whose gradients change after
+        # it (the tied ends: the tie's sum; all under sequence parallelism: tp's sum of the replicas)
+        early = [] if cfg.sequence_parallel else [u for u in dp.units if all(p is not tied for p in u.params)]
+        dp.reduces = FSDP.GradReduces(early if cfg.overlap else [])
+        dp.forward_order = [k for c in stage.chunks for k in ["ends"] * (c in (0, stage.n_chunks - 1))
+                            + list(stage.chunks[c]) if k in dp.by_key] + ["head"] * dp.reshard
+        dp.prefetch = cfg.prefetch
         if dp.zero == 3:
-            stage.gather, stage.done = dp.comm.gather, dp.comm.done  # just in time
+            shard_hooks(dp, stage, dp.reshard)
         counted = counted_once(stage, groups["tp"])
-        for u in dp.units:
-            u.mine = u.pieces()  # [(name, piece of the shard, parameter, start, stop)]
-        dp.pieces = [(name, piece, counted(p)) for u in dp.units for name, piece, p, _, _ in u.mine]
+        dp.pieces = [(name, piece, counted(p)) for u in dp.units for name, piece, p, _, _ in u.pieces()]
         dp.optimizer = M.make_optimizer([(name, p) for name, p, _ in dp.pieces] + expert_named, cfg, run.device)
     else:
         if mesh.dp_replicate > 1:
@@ -786,18 +615,10 @@ def build_data_parallel(run, cfg, mesh, me, groups, stage):
     if not dp.zero:
         M.restore(run, entries, dp.optimizer)  # both tied copies are loaded
         return dp
-    dp.full_state = FullState(dp.optimizer)  # the checkpoint holds full tensors: loaded whole, then cut
-    masters = {}  # a parameter -> its fp32 full weights, which the checkpoint holds (a bf16 part's: apart)
-    with C.untracked():
-        for u in dp.units:
-            gather_once(u) if dp.zero == 3 else u.gather()  # the full weights, to load into (or to keep)
-            u.masters = [full if full.dtype == torch.float32 else torch.empty(full.shape, device=full.device)
-                         for full in u.full]
-            gather_masters(u)
-            u.master_views = [p if p.dtype == torch.float32 else view for p, view in zip(u.params, u.views(u.masters))]
-            masters.update(zip(u.params, u.master_views))
+    dp.full_state = FSDP.FullState(dp.optimizer)  # the checkpoint holds full tensors: loaded whole, then cut
+    masters = FSDP.full_params(dp.units)  # a parameter -> its fp32 full weights (a bf16 part's: apart)
     M.restore(run, [(name, masters.get(p, p), *rest) for name, p, *rest in entries], dp.full_state)
-    reshard(dp.units, dp.full_state, dp.optimizer)
+    FSDP.reshard(dp.units, dp.full_state, dp.optimizer)
     dp.optimizer.state.update({p: dp.full_state.state[p] for p in dp.experts if p in dp.full_state.state})
     dp.full_state.state.clear()
     free_units(dp)
@@ -805,29 +626,23 @@ def build_data_parallel(run, cfg, mesh, me, groups, stage):
 
 
 def free_units(dp):
-    """ZeRO-3 at the step's end: a pipeline's units, kept from their first use (with one
-    micro-batch and no pipeline they are freed already, ShardComm), and after validation;
-    the fp32 copies of bf16 parts a checkpoint read (gather_masters)."""
+    """ZeRO-3 at the step's end: a pipeline's units, kept from their first use, and after
+    validation; the fp32 copies of bf16 parts a checkpoint read."""
     for u in dp.units:
         if dp.zero == 3:
             u.free()
-        for master, full in zip(u.masters, u.full):
-            if master is not full:
-                master.untyped_storage().resize_(0)
+        u.free_masters()
+
+
+def unshard(dp):
+    """The full weights and Adam's moments, for a checkpoint (the experts' moments, kept whole)."""
+    dp.full_state.state.update({p: dp.optimizer.state[p] for p in dp.experts})
+    FSDP.unshard(dp.units, dp.optimizer, dp.full_state)
 
 
 def frees_after_forward(cfg, mesh):
     """ZeRO-3 with one micro-batch and no pipeline frees each unit after its forward (ShardComm)."""
     return getattr(cfg, "zero_stage", 3) == 3 and mesh.pp == 1 and cfg.n_micro == 1
-
-
-def gather_masters(u):
-    """A bf16 part's fp32 full weights (what a checkpoint holds), all-gathered from the master shards."""
-    for master, full, shard in zip(u.masters, u.full, u.shards):
-        if master is not full:
-            if not master.untyped_storage().nbytes():
-                master.untyped_storage().resize_(master.numel() * master.element_size())
-            C.all_gather(master, shard, group=u.group)
 
 
 def train_step(dp, stage, executor, plan, rows, cfg, groups, me):
@@ -838,13 +653,14 @@ def train_step(dp, stage, executor, plan, rows, cfg, groups, me):
         dp.buckets.sync = not cfg.overlap
     elif dp.units:
         for u in dp.units:
-            zero_grad(u)
+            u.zero_grad()
     else:
         dp.optimizer.zero_grad(set_to_none=True)
     for p in dp.experts if dp.units or dp.buckets else []:
         p.grad = None
-    if dp.comm:
-        dp.comm.waits, dp.live.peak = [], 0
+    if dp.units:
+        new_pass(dp, train=True)
+        dp.reduces.waits, dp.live.peak = [], 0
     losses = executor.run(plan, rows)
     extra = reduce_gradients(dp, stage, cfg, groups, me)
     if dp.units:
@@ -867,9 +683,9 @@ def reduce_gradients(dp, stage, cfg, groups, me):
         TP.sum_replicated_grads(dp.replicated, groups["tp"])  # tp: replicas saw only their positions
     PP.sum_tied_grads(stage, groups["pp"])  # pp: the tie, between the two ends
     if dp.units:
-        dp.comm.reduce_scatter(dp.units)  # dp_shard: each unit's gradient into this rank's shard
+        dp.reduces.finish(dp.units)  # dp_shard: each unit's gradient into this rank's shard
         free_units(dp)
-        grads = [g for u in dp.units for g in u.grads]
+        grads = [g for u in dp.units for g in u.grad_shards()]
         average(grads, groups["cp"])  # cp: each rank saw its positions' share of the tokens
         average(grads, groups["dp_replicate"])  # dp_replicate: HSDP's all-reduce of the shards
     else:
@@ -905,7 +721,7 @@ def main(argv=None):
     b, s = cfg.batch_size // (R * S * n_micro), config.block_size // mesh.cp
     act_shape = (s // mesh.tp if cfg.sequence_parallel else s, b, config.n_embd)
     executor = Executor(stage, act_shape, n_micro, run.autocast, torch.compile(stage) if cfg.compile else None,
-                        groups["pp"], armed=[dp.buckets, dp.comm] if cfg.overlap else [])
+                        groups["pp"], armed=[dp.buckets, dp.reduces if dp.units else None] if cfg.overlap else [])
     v = PP.virtual_stages(cfg)
     train_plan = PP.plan(cfg.schedule, mesh.pp, n_micro, me.pp, v)
     eval_plan = PP.plan(cfg.schedule, mesh.pp, n_micro, me.pp, v, train=False)
@@ -933,6 +749,8 @@ def main(argv=None):
         losses = []
         with C.untracked():  # bookkeeping, not training traffic
             for k in range(cfg.eval_iters):
+                if dp.units and (k == 0 or dp.reshard):  # a pipeline keeps its units to the end
+                    new_pass(dp, train=False)
                 losses += executor.run(eval_plan, rows(k, "val"), train=False)
             free_units(dp)
             loss = torch.stack(losses).mean() if stage.last else torch.zeros((), device=device)
@@ -948,8 +766,9 @@ def main(argv=None):
         losses, norm = train_step(dp, stage, executor, train_plan, rows(it, "train"), cfg, groups, me)
         # ---------------------------------------------------------------- end of the training step
         state = state_bytes(dp, stage)
-        exposed = dict(exposed_shard_ms=dp.comm.exposed_ms(),  # waited on dp_shard, this step
-                       max_gathered_units=dp.live.peak) if dp.comm else {}  # as fsdp.py logs it
+        waits = dp.reduces.waits + (dp.gathers.waits if dp.zero == 3 else []) if dp.units else []
+        exposed = dict(exposed_shard_ms=1000 * sum(M.elapsed(t0, t1) for t0, t1 in waits),  # waited on dp_shard
+                       max_gathered_units=dp.live.peak) if dp.units else {}  # as fsdp.py logs it
         if dp.units and M.checkpoint_due(cfg, it + 1):
             unshard(dp)  # the full weights and moments, for end_iter's checkpoint
         logged = moe_stats(run, stage, me, groups["ep"], cfg.dispatch) if moe else {}
