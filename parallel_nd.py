@@ -160,78 +160,61 @@ def print_mesh(groups, mesh):
 # a pipeline stage made of tensor parallel pieces
 
 
-class Stage(nn.Module):
-    """Stage `stage` of `n_stages` (pipeline_parallel.Stage's blocks), each unit built
-    whole from the seed and cut to this rank's tensor parallel slice (tensor_parallel's
-    build), under model.GPT's parameter names. The last stage's head is its own copy of
-    this tp rank's slice of the tied matrix (lm_head.weight); one stage, or ZB-V's rank 0 (both
-    ends): the same one.
-    pos: this cp rank's global positions (None: all of them); ring: its attention's ring;
-    moe: MoE -> its layer on the mesh (MeshMoE), for --n_expert.
-    gather(unit): called before a unit ("ends", "head": the ends again, or a block's index)
-    computes (ZeRO-3); done(unit, x): after it, on its output x (ZeRO-3 with one micro-batch
-    frees it there, ShardComm.done)."""
+class ParallelLayers(PP.Whole):
+    """pipeline_parallel.Stage's pieces on the mesh: each unit built whole from the seed and
+    cut to this rank's tensor parallel slice (tensor_parallel's build; the last stage's head
+    its own copy of this tp rank's slice of the tied matrix, under the name lm_head.weight),
+    run in tensor parallel's (s, b, h) layout. pos: this cp rank's global positions (None:
+    all of them); ring: its attention's ring (context_parallel's); moe: MoE -> its layer on
+    the mesh (MeshMoE), for --n_expert."""
 
-    def __init__(self, config, stage, n_stages, seed, group, sp, n_virtual=1, pos=None, ring=None, moe=None,
-                 attention="ring", schedule=None):
-        super().__init__()
-        self.config, self.group, self.sp, self.pos = config, group, sp, pos
-        self.gather, self.done = lambda unit: None, lambda unit, x: x
-        self.recompute = "none"  # --recompute: what each block keeps for backward (model.recompute_block)
-        self.n_chunks = n_stages * n_virtual  # pipeline_parallel.Stage's chunks: r, r+p, ... (ZB-V: r, 2p-1-r)
-        self.chunks = {c: PP.stage_layers(config.n_layer, self.n_chunks, c)
-                       for c in PP.chunks_of(schedule, n_stages, stage, n_virtual)}
-        self.first, self.last = 0 in self.chunks, self.n_chunks - 1 in self.chunks
-        self.transformer = nn.ModuleDict(dict(h=nn.ModuleDict(
-            {str(i): parallel_block(M.build_unit(config, i, seed), group, sp, moe) for c in self.chunks
-             for i in self.chunks[c]})))
-        if ring is not None:  # context parallel: model.py's attend() hook, as context_parallel.use_ring
-            for block in self.transformer["h"].values():
-                block.attn.attend = partial(CP.ATTENTION[attention], ring=ring)
-        if self.first:
-            emb = M.build_unit(config, "embed", seed)
-            self.transformer["wte"] = TP.VocabParallelEmbedding(emb.wte, group, sp)
-            self.transformer["wpe"] = emb.wpe
-        if self.last:
-            self.transformer["ln_f"] = M.build_unit(config, "ln_f", seed)
-            if not self.first:
-                self.lm_head = TP.VocabParallelEmbedding(M.build_unit(config, "embed", seed).wte, group, sp)
+    def __init__(self, config, seed, group, sp, pos=None, ring=None, attention="ring", moe=None):
+        super().__init__(config, seed)
+        self.group, self.sp, self.pos, self.ring, self.attention, self.moe = group, sp, pos, ring, attention, moe
 
-    def head(self):
-        return self.transformer["wte"] if self.first else self.lm_head
+    def block(self, i):
+        block = parallel_block(M.build_unit(self.config, i, self.seed), self.group, self.sp, self.moe)
+        if self.ring is not None:  # model.py's attend() hook, as context_parallel.use_ring
+            block.attn.attend = partial(CP.ATTENTION[self.attention], ring=self.ring)
+        return block
 
-    def tied(self):
-        """This stage's copy of the tied matrix (its tp slice), None in the middle."""
-        return self.head().weight if self.first or self.last else None
+    def embedding(self):
+        emb = M.build_unit(self.config, "embed", self.seed)
+        return TP.VocabParallelEmbedding(emb.wte, self.group, self.sp), emb.wpe
 
-    def forward(self, x, targets=None, chunk=None):
-        """Token ids (b, s) on the first stage, else the previous stage's (s, b, h) (with
-        sequence parallelism (s/tp, b, h)); -> the same for the next stage, or the loss."""
-        t, g, sp, chunk = self.transformer, self.group, self.sp, next(iter(self.chunks)) if chunk is None else chunk
-        if chunk == 0 or chunk == self.n_chunks - 1:
-            self.gather("ends")
-        if chunk == 0 and self.pos is None:
-            x = TP.embed_forward(t["wte"], t["wpe"], x, g, sp, self.config.dropout, self.training)
-        elif chunk == 0:  # a cp rank's positions: the GLOBAL ones, as context_parallel.forward
-            x = F.dropout(t["wte"](x.t()) + t["wpe"](self.pos)[:, None], self.config.dropout, self.training)
-        if chunk == 0:
-            x = self.done("ends", x)
-        for i in self.chunks[chunk]:
-            self.gather(i)
-            x = self.done(i, M.recompute_block(partial(TP.block_forward, t["h"][str(i)]), x, self.recompute))
-        if chunk != self.n_chunks - 1:
-            return x
-        self.gather("head")
-        return TP.head_forward(t["ln_f"], self.head(), x, targets, g, sp)
+    def head(self, wte):
+        return wte if wte is not None else TP.VocabParallelEmbedding(
+            M.build_unit(self.config, "embed", self.seed).wte, self.group, self.sp)
 
-    def units(self):
-        """[(key, [(name, parameter)])]: the stage's ends (if any), then each block, a
-        mixture's experts left out (experts())."""
-        named = [(n, p) for n, p in self.named_parameters() if not hasattr(p, "ep_index")]
-        ends = [(n, p) for n, p in named if not n.startswith("transformer.h.")]
-        blocks = [(int(i), [(n, p) for n, p in named if n.startswith(f"transformer.h.{i}.")])
-                  for i in self.transformer["h"]]
-        return ([("ends", ends)] if ends else []) + blocks
+    def embed(self, stage, x):
+        t, dropout = stage.transformer, self.config.dropout
+        if self.pos is None:
+            return TP.embed_forward(t["wte"], t["wpe"], x, self.group, self.sp, dropout, stage.training)
+        # a cp rank's positions: the GLOBAL ones, as context_parallel.forward
+        return F.dropout(t["wte"](x.t()) + t["wpe"](self.pos)[:, None], dropout, stage.training)
+
+    def run_block(self, block, x):
+        return TP.block_forward(block, x)
+
+    def loss(self, stage, x, targets):
+        return TP.head_forward(stage.transformer["ln_f"], stage.lm_head, x, targets, self.group, self.sp)
+
+    def deferred(self, executor, mod):  # --schedule=zb: f and g as in tensor_parallel.py, the matmul's dW to W
+        if isinstance(mod, (TP.ColumnParallelLinear, TP.RowParallelLinear)):
+            slot, w, b = executor.defer(mod.weight), mod.weight, mod.bias
+            if isinstance(mod, TP.ColumnParallelLinear):
+                return lambda x: PP.deferred_linear(executor, mod.f(x, mod.group), w, b, slot)
+            return lambda x: mod.g(PP.deferred_linear(executor, x, w, None, slot), mod.group) + (0 if b is None else b)
+
+
+def stage_units(stage):
+    """[(key, [(name, parameter)])]: the stage's ends (if any), then each block, a mixture's
+    experts left out (experts()): fsdp's units."""
+    named = [(n, p) for n, p in stage.named_parameters() if not hasattr(p, "ep_index")]
+    ends = [(n, p) for n, p in named if not n.startswith("transformer.h.")]
+    blocks = [(int(i), [(n, p) for n, p in named if n.startswith(f"transformer.h.{i}.")])
+              for i in stage.transformer["h"]]
+    return ([("ends", ends)] if ends else []) + blocks
 
 
 # -----------------------------------------------------------------------------
@@ -330,38 +313,6 @@ def experts(stage):
     return [(n, p) for n, p in stage.named_parameters() if hasattr(p, "ep_index")]
 
 
-class Executor(PP.Executor):
-    """pipeline_parallel's executor, which also arms gradient hooks (`armed`: dp_replicate's
-    buckets, dp_shard's ShardComm; each has a `sync`) for the last micro-batch's weight
-    gradients only (its backward, or its W under --schedule=zb): the gradients are complete
-    then, and each message starts as soon as its gradients are (ddp.py's overlap); earlier
-    micro-batches only accumulate."""
-
-    def __init__(self, *args, armed=(), **kwargs):
-        super().__init__(*args, **kwargs)
-        self.armed = [x for x in armed if x is not None]
-
-    def backward(self, a, *args):
-        for x in self.armed:
-            x.sync = a.micro == self.n_micro - 1
-        super().backward(a, *args)
-
-    def weight_grad(self, a, *args):
-        for x in self.armed:
-            x.sync = a.micro == self.n_micro - 1
-        super().weight_grad(a, *args)
-
-    def defer_weight_grads(self):  # --schedule=zb: f and g as in tensor_parallel.py, the matmul's dW to W
-        for mod in self.stage.transformer["h"].modules():
-            if isinstance(mod, TP.ColumnParallelLinear):
-                slot = self.defer(mod.weight)
-                mod.forward = lambda x, mod=mod, slot=slot: PP.deferred_linear(self, mod.f(x, mod.group), mod.weight,
-                                                                               mod.bias, slot)
-            elif isinstance(mod, TP.RowParallelLinear):
-                slot = self.defer(mod.weight)
-                mod.forward = lambda x, mod=mod, slot=slot: mod.g(PP.deferred_linear(self, x, mod.weight, None, slot),
-                                                                  mod.group) + (0 if mod.bias is None else mod.bias)
-
 # -----------------------------------------------------------------------------
 # dp_shard: a stage's units sharded over the shard group (fsdp.py's Unit, Gathers, GradReduces)
 
@@ -395,7 +346,7 @@ def shard_hooks(dp, stage, reshard):
             if j > 0:
                 gather(key)
         return FSDP.Handoff.apply(x, then)
-    stage.gather, stage.done = gather, done
+    stage.hooks(gather, done)
 
 
 def new_pass(dp, train):
@@ -565,10 +516,9 @@ def build_stage(cfg, config, mesh, me, groups, device):
         wire = torch.bfloat16 if cfg.dtype == "bfloat16" else None  # the rows travel in the compute dtype
         make_moe = partial(MeshMoE, mode=cfg.dispatch, wire_dtype=wire, group=groups["ep"], cp_group=groups["cp"],
                            aux_scale=config.aux_loss_coef / (config.n_layer * cfg.n_micro))
-    stage = Stage(config, me.pp, mesh.pp, cfg.seed, groups["tp"], cfg.sequence_parallel, PP.virtual_stages(cfg),
-                  pos, ring, make_moe, cfg.attention, cfg.schedule).to(device)
-    stage.recompute = cfg.recompute
-    return stage
+    layers = ParallelLayers(config, cfg.seed, groups["tp"], cfg.sequence_parallel, pos, ring, cfg.attention, make_moe)
+    stage = PP.Stage(config, me.pp, mesh.pp, cfg.seed, PP.virtual_stages(cfg), cfg.schedule, layers, cfg.recompute)
+    return stage.to(device), pos
 
 
 def build_data_parallel(run, cfg, mesh, me, groups, stage):
@@ -590,7 +540,7 @@ def build_data_parallel(run, cfg, mesh, me, groups, stage):
         low = torch.bfloat16 if cfg.dtype == "bfloat16" and dp.reshard else torch.float32
         dp.live = FSDP.LiveUnits()  # an instrument: the most units gathered at once in a step
         dp.by_key = {key: FSDP.Unit(named, groups["dp_shard"], dp.zero, run.device, low, str(key), dp.live)
-                     for key, named in stage.units()}
+                     for key, named in stage_units(stage)}
         dp.units = list(dp.by_key.values())
         tied = stage.tied()
         # the units whose reduce-scatter may start in backward: not those whose gradients change after
@@ -712,7 +662,7 @@ def main(argv=None):
     groups = make_groups(rank, mesh, ep if moe else 0)
     print_mesh(groups, mesh)
     # 2. the stage: tp's pieces, the cp ring, the experts; then what the data axes keep of it
-    stage = build_stage(cfg, config, mesh, me, groups, device)
+    stage, pos = build_stage(cfg, config, mesh, me, groups, device)
     dp = build_data_parallel(run, cfg, mesh, me, groups, stage)
     run.layout = dict(mesh._asdict(), zero_stage=cfg.zero_stage, layout=cfg.layout, schedule=cfg.schedule,
                       n_micro=n_micro, sequence_parallel=cfg.sequence_parallel,
@@ -720,7 +670,7 @@ def main(argv=None):
     # 3. the pipeline's runtime and its schedules
     b, s = cfg.batch_size // (R * S * n_micro), config.block_size // mesh.cp
     act_shape = (s // mesh.tp if cfg.sequence_parallel else s, b, config.n_embd)
-    executor = Executor(stage, act_shape, n_micro, run.autocast, torch.compile(stage) if cfg.compile else None,
+    executor = PP.Executor(stage, act_shape, n_micro, run.autocast, torch.compile(stage) if cfg.compile else None,
                         groups["pp"], armed=[dp.buckets, dp.reduces if dp.units else None] if cfg.overlap else [])
     v = PP.virtual_stages(cfg)
     train_plan = PP.plan(cfg.schedule, mesh.pp, n_micro, me.pp, v)
@@ -741,7 +691,7 @@ def main(argv=None):
     def rows(step, split):  # this data rank's rows of the global batch, its cp positions, in micro-batches
         batch = partial(M.batch, run, step, split, n_micro=n_micro, dp_rank=me.dp_replicate * S + me.dp_shard,
                         dp_size=R * S)
-        return batch if stage.pos is None else lambda k: tuple(t[:, stage.pos] for t in batch(k))
+        return batch if pos is None else lambda k: tuple(t[:, pos] for t in batch(k))
 
     @torch.no_grad()
     def evaluate():
