@@ -8,24 +8,22 @@ no rank holds the whole model; ZeRO-1 and ZeRO-2, the lighter rungs, beside it t
     torchrun --nproc_per_node=4 fsdp.py --zero_stage=2    # or 1: a lighter rung, to compare memory
 
 What is split. The batch, as in ddp.py; and the model, cut into units: each block, and the two
-ends (embeddings, final norm and the head, which reuses the token embedding: one unit, so the
-tied matrix is stored, gathered and reduced once). A unit's parameters lie end to end in flat
-buffers padded to a multiple of N; rank r keeps slice r, its shard: the fp32 master weights,
-their gradient, Adam's m and v. ZeRO-1/2 keep every unit's full weights too (the shard is a
-slice of them), ZeRO-1 the full gradient (the gradient shard a slice of it).
+ends (embeddings, final norm and the tied head: one unit, so the tied matrix is stored,
+gathered and reduced once). A unit's parameters lie end to end in flat buffers padded to a
+multiple of N; rank r keeps slice r, its shard: the fp32 master weights, their gradient,
+Adam's m and v. ZeRO-1/2 keep every unit's full weights too, ZeRO-1 the full gradient.
 
-What is sent, and when, for each micro-batch of ZeRO-3 (zero3_micro_step):
-  forward   all-gather a unit's weights just before it runs, free them right after
-  head      forward and backward at once, on one gather of the ends
-  backward  all-gather each block again (L-1 down to 0), backpropagate (through its kept graph,
-            or under --recompute=full recomputing it first from its input), free it,
-            reduce-scatter its gradient into this rank's gradient shard; the ends' gradient last
---prefetch=k issues the next k units' all-gathers while one computes. ZeRO-1/2 (zero12_step)
-reduce-scatter the gradients (ZeRO-2 block by block as backward goes, ZeRO-1 once a step),
-step on the shards and all-gather the updated weights. In bf16 a block's linear weights travel
-in bf16 (what autocast computes with), its norms and the ends in fp32; gradients in fp32.
-Bytes sent and kept: traffic_per_rank(), state_per_rank(). Checkpoints: every rank writes its
-shards as ("flat", start, stop) pieces of the global parameters, so any strategy can load them.
+What is sent, for each micro-batch of ZeRO-3 (zero3_micro_step): forward all-gathers a unit's
+weights just before it runs and frees them right after; the head runs forward and backward on
+one gather of the ends; backward all-gathers each block again (L-1 down to 0), backpropagates,
+frees it and reduce-scatters its gradient into this rank's gradient shard. --prefetch=k issues
+the next k units' all-gathers while one computes (Gathers). ZeRO-1/2 (zero12_step)
+reduce-scatter the gradients, step on the shards and all-gather the updated weights. In bf16
+a block's linear weights travel in bf16, its norms and the ends in fp32; gradients in fp32.
+
+The lesson is everything above main(); below the fence after it: the instruments (LiveUnits)
+and the formulas the tests hold the log to (traffic_per_rank, state_per_rank). parallel_nd.py
+drives the same Unit and Gathers through its pipeline stage's hooks (Handoff, GradReduces).
 """
 from collections import deque
 from dataclasses import dataclass
@@ -58,30 +56,24 @@ class Sharded:
 
 
 def gather_dtype(name, low):
-    """The one place that says what a unit's full copy of a parameter is: what autocast computes
-    with. A block's linear weights and biases in `low` (bf16 in a bf16 run: half the bytes sent,
-    the very rounding autocast does); LayerNorm and the ends in fp32, since autocast keeps
-    LayerNorm and the embedding lookup in fp32 (the head casts the tied matrix as autocast does),
-    and a mixture's router (model.route computes it in fp32). Gathering everything in bf16, as
-    PyTorch FSDP's MixedPrecision(param_dtype=bf16) does, sends fewer bytes but runs the norms
-    and the embedding on rounded weights: a slightly other model. name: in the block
-    ("attn.c_attn.weight"), or in parallel_nd.py's stage ("transformer.h.3.attn.c_attn.weight")."""
+    """What a unit's full copy of a parameter is: what autocast computes with. A block's linear
+    weights and biases in `low` (bf16 in a bf16 run: half the bytes sent); LayerNorm, a router
+    and the ends in fp32, as autocast keeps them (PyTorch FSDP's MixedPrecision(param_dtype=bf16)
+    gathers everything in bf16: a slightly other model). name: in the block, or in
+    parallel_nd.py's stage ("transformer.h.3.attn.c_attn.weight")."""
     name = name.split(".", 3)[3] if name.startswith("transformer.h.") else name
     return low if name.startswith(("attn.", "mlp.")) and not name.startswith("mlp.router") else torch.float32
 
 
 class Unit:
     """One unit on this rank. Its parameters (`named`: a module's) lie end to end in one flat
-    buffer per gather dtype (a part: one in fp32 runs; a bf16 block has its linear layers and
-    its LayerNorms), padded to a multiple of the group's N ranks, and the parameters become
-    views into those buffers: the module computes on whatever the buffers hold. Rank r keeps
-    slice r of each part in fp32, its shard (the master weights the optimizer updates), and
-    their gradient. ZeRO-3 holds the full buffers only from gather() to free(): freeing
-    shrinks their storage to nothing, views and all, even where autograd's graph still refers
-    to them, and gathering fills the same storage again, so the graph finds its weights back in
-    backward (PyTorch's FSDP frees the same way). ZeRO-1/2 keep them, a fp32 shard being this
-    rank's slice of them, no copy; ZeRO-1 keeps the full fp32 gradient too, the gradient shard
-    its slice. live: an instrument told of each gather and free (LiveUnits), or None."""
+    buffer per gather dtype (a part), padded to a multiple of the group's N ranks, and become
+    views into those buffers. Rank r keeps slice r of each part in fp32, its shard (the master
+    weights the optimizer updates), and their gradient. ZeRO-3 holds the full buffers only from
+    gather() to free(): freeing shrinks their storage to nothing, even where autograd's graph
+    still refers to them, and gathering fills the same storage again, so the graph finds its
+    weights back in backward (PyTorch's FSDP frees the same way). ZeRO-1/2 keep them (a fp32
+    shard is a slice of them), ZeRO-1 the full fp32 gradient too. live: LiveUnits, or None."""
 
     def __init__(self, named, group, zero_stage, device, low=torch.float32, name="", live=None):
         self.group, self.zero_stage, self.name, self.live = group, zero_stage, name, live
@@ -371,16 +363,10 @@ def leaf(t):
 # ZeRO-3: a unit's full weights exist only while it computes
 
 
-# --recompute under ZeRO-3. A block's full weights live only while it computes: after its
-# forward they are freed, and backward gathers them again into the same memory. What autograd
-# keeps of the activations between the two is another matter, the one --recompute decides, as
-# in every strategy (PyTorch's FSDP is the same: weights re-gathered, activations kept unless
-# activation checkpointing is applied):
-#   none, gelu  forward builds the block's graph on the gathered weights, which are then
-#               freed under it; backward gathers them again, and runs the kept graph
-#   full        forward runs without autograd and keeps each block's input (b·s·h numbers);
-#               backward recomputes the block from it on the re-gathered weights: one more
-#               forward, and the least memory
+# --recompute under ZeRO-3: the weights are re-gathered for backward whatever it says; what
+# autograd keeps of the activations is what --recompute decides, as in every strategy: none,
+# gelu: forward builds the block's graph on weights then freed under it, backward runs it on
+# the re-gathered ones; full: forward keeps each block's input only, backward recomputes.
 
 
 def zero3_forward(net, idx, gathers, kept=None):
@@ -797,17 +783,11 @@ def unit_parts(config, cfg, world):
 
 
 def traffic_per_rank(config, cfg, world):
-    """Bytes one rank sends per step (the average over ranks). A ring all-gather or
-    reduce-scatter of S bytes makes each rank send (N-1)/N·S: N-1 steps, each a 1/N chunk.
-    Each part of each unit, padded to a multiple of N, is
-      ZeRO-3    all-gathered twice (forward, and backward's recompute) and reduce-scattered
-                once per micro-step: 3(N-1)/N · 4Ψ · n_micro in fp32
-      ZeRO-2    reduce-scattered per micro-step, all-gathered once a step: (n_micro + 1)(N-1)/N · 4Ψ
-      ZeRO-1    reduce-scattered and all-gathered once a step: 2(N-1)/N · 4Ψ, DDP's all-reduce
-    with Ψ the parameters (padded). A gather sends its part's dtype, a reduce-scatter fp32:
-    in bf16, with Ψ_lo the blocks' linear parameters gathered in bf16, each gather is
-    2Ψ_lo + 4(Ψ - Ψ_lo) bytes (ZeRO-3: (N-1)/N · (2(2Ψ_lo + 4(Ψ - Ψ_lo)) + 4Ψ) · n_micro).
-    Plus the gradient norm's all-reduce of one float."""
+    """Bytes one rank sends per step (the average over ranks): each unit's parts (padded, Ψ in
+    all) all-gathered in their dtype and reduce-scattered in fp32, (N-1)/N of the bytes each:
+    ZeRO-3 3(N-1)/N·4Ψ·n_micro (two gathers, one reduce-scatter a micro-step), ZeRO-2
+    (n_micro + 1)(N-1)/N·4Ψ, ZeRO-1 2(N-1)/N·4Ψ, in fp32; plus the norm's float
+    (docs/formulas.md)."""
     found = unit_parts(config, cfg, world)
     gather, reduce = sum(p * b for _, p, b in found), sum(p * 4 for _, p, _ in found)
     a = cfg.n_micro
@@ -818,16 +798,10 @@ def traffic_per_rank(config, cfg, world):
 
 def state_per_rank(config, cfg, world):
     """Bytes of parameters, gradients and Adam's state on each rank: what state_bytes() measures.
-    Each part of n elements is padded to P = N·⌈n/N⌉ and rank r keeps S = P/N of it, R_r of them
-    real (Adam's m and v exist only for those: 8 bytes each). Summed over the parts, with P_lo,
-    S_lo the parts gathered in bf16 (a bf16 run's linear layers; none in fp32), the full weights
-    take W = 2P_lo + 4(P - P_lo); a fp32 shard is a slice of them, a bf16 part's master a copy:
-      ZeRO-3   4S + 4S + 8R_r             (master shard, gradient shard, m and v)
-      ZeRO-2   W + 4S_lo + 4S + 8R_r      (the full weights; gradients and Adam sharded)
-      ZeRO-1   W + 4S_lo + 4P + 8R_r      (the full weights and the full fp32 gradient)
-    Without padding (Ψ parameters, Ψ_lo of them linear): in fp32 ZeRO-3 16Ψ/N, ZeRO-2
-    4Ψ + 12Ψ/N, ZeRO-1 8Ψ + 8Ψ/N; in bf16 ZeRO-3 16Ψ/N, ZeRO-2 4Ψ - 2Ψ_lo + (12Ψ + 4Ψ_lo)/N,
-    ZeRO-1 8Ψ - 2Ψ_lo + (8Ψ + 4Ψ_lo)/N. -> [bytes on rank r for r in range(N)]"""
+    Each part of n elements is padded to P = N·⌈n/N⌉, rank r keeps S = P/N of it, R_r real (Adam's
+    moments only for those); W = 2P_lo + 4(P - P_lo) the full weights (P_lo: parts gathered in bf16):
+    ZeRO-3 8S + 8R_r, ZeRO-2 W + 4S_lo + 4S + 8R_r, ZeRO-1 W + 4S_lo + 4P + 8R_r; without padding
+    in fp32 16Ψ/N, 4Ψ + 12Ψ/N, 8Ψ + 8Ψ/N (docs/formulas.md). -> [bytes on rank r for r in range(N)]"""
     found = unit_parts(config, cfg, world)
     P = sum(p for _, p, _ in found)
     P_lo = sum(p for _, p, b in found if b == 2)

@@ -1,38 +1,27 @@
 """
 Every axis on one mesh: pipeline x data (replicated, and sharded) x context x tensor, on
 pp·dp_replicate·dp_shard·cp·tp ranks (Megatron-LM's "PTD-P", Narayanan et al. 2021, grown as
-torchtitan grows it: FSDP inside each replica group, context parallelism for long sequences).
-The pipeline cuts the model into pp stages by depth; tensor parallelism cuts each stage's
-matrices over tp ranks; context parallelism cuts each sequence into cp parts that attend to
-each other round a ring; and that group of cp·tp ranks is repeated over the data axes, each on
-its own rows of the batch: dp_shard ranks that keep 1/dp_shard of the stage's weights,
-gradients and Adam state (fsdp.py's units), and dp_replicate copies of all that (HSDP when both
-are > 1). A mixture of experts (--n_expert) splits its experts over ep ranks borrowed from the
-dp_shard x cp block. The pieces are ddp.py's, fsdp.py's, tensor_parallel.py's,
-context_parallel.py's, pipeline_parallel.py's and expert_parallel.py's, run on sub-groups.
+torchtitan grows it). Nothing here is a new mechanism: main() assembles, axis by axis, the
+strategy files' own pieces on sub-groups of the world (as torchtitan's parallelize_llama):
+the groups of the mesh; a pipeline_parallel.Stage whose blocks are tensor_parallel's, with
+context_parallel's attention and expert_parallel's layer (--n_expert, on ep ranks borrowed
+from dp_shard x cp); then data parallelism: dp_shard, fsdp.py's units (Unit, Gathers,
+GradReduces), dp_replicate, ddp.py's GradBuckets (HSDP when both are > 1); the loop of
+pipeline_parallel's Executor.
 
     torchrun --nproc_per_node=8 parallel_nd.py --dp_replicate=2 --tp=2 --pp=2 --n_micro=4
     torchrun --nproc_per_node=8 parallel_nd.py --dp_shard=2 --tp=2 --pp=2            # FSDP x TP x PP
     torchrun --nproc_per_node=8 parallel_nd.py --dp_replicate=2 --dp_shard=2 --tp=2  # HSDP x TP
-    torchrun --nproc_per_node=8 parallel_nd.py --dp_shard=2 --cp=2 --tp=2 --layout=zigzag
     torchrun --nproc_per_node=8 parallel_nd.py --dp_shard=2 --cp=2 --tp=2 --n_expert=8 --ep=4  # + EP
     torchrun --nnodes=16 --nproc_per_node=8 ... parallel_nd.py --model=gpt2-xl --pp=4   # see bench/plan_cluster.py
 
 The mesh. rank = (((pp_rank·R + rep_rank)·S + shard_rank)·CP + cp_rank)·TP + tp_rank: the axis
-that sends the most, most often, innermost, on the fastest links: tp (4 all-reduces of
-activations a layer, nothing hides them), then cp (K and V round the ring, behind the
-attention), dp_shard (a step's weights all-gathered, its gradients reduce-scattered),
-dp_replicate (one all-reduce a step, overlapped with backward), and pp outermost (one
-activation a micro-batch, to one neighbour). Every rank makes every group, in one order.
+that sends the most, most often, innermost, on the fastest links (tp, then cp, dp_shard,
+dp_replicate, and pp outermost: one activation a micro-batch, to one neighbour).
 
-The step (train_step): the data rank's rows, cut into m micro-batches for any of
-pipeline_parallel's schedules, each stage running tensor parallel's pieces on its tp group and
-its attention on the cp ring; then reduce_gradients (the tie between the pipeline's two ends,
-dp_shard's reduce-scatter of each unit's gradient, the average over cp and dp_replicate, the
-experts' over ep_dp and dp_replicate), the clip and the update. What each axis sends per
-step: axis_bytes(), which the tests hold the log to and bench/plan_cluster.py uses to predict a
-cluster's layouts. The order's reasons, the experts' groups, ZeRO in a pipeline and the flags:
-docs/parallel_nd.md.
+The lesson is everything above main(); below the fence after it: axis_bytes(), what each axis
+sends per step, which the tests hold the log to and bench/plan_cluster.py uses. The order's
+reasons, the experts' groups, ZeRO in a pipeline and the flags: docs/parallel_nd.md.
 """
 from collections import namedtuple
 from functools import partial
@@ -907,46 +896,12 @@ def group_bytes(op, n, nbytes):
 
 
 def axis_bytes(config, cfg, mesh, stage=None, routed=None):
-    """{axis: bytes per step}. stage=None: sent by every rank of the world on that axis;
-    stage=k: sent by the ranks of one group of the axis that a rank of stage k is in (its
-    tp, cp and data groups live on stage k; its pp group spans the stages). routed: the rows
-    that group's ep ranks dispatched to each other (axis_messages; stage=None: every group's).
-
-    What each axis sends per step (per group, summed over its ranks; collectives.py's ring
-    and tree all-reduces both send 2(N-1)·S in all; B the global batch, m = --n_micro,
-    b = B/(R·S·m), s the sequence a cp rank holds (block_size/cp), h the width, V the
-    vocabulary, L_k the blocks of stage k, d the compute dtype's bytes, Ψ_k the elements a
-    rank of stage k holds (stage_params), P_k the same in ZeRO units padded to S·⌈n/S⌉):
-      tp (stage k)  m · (4·L_k + [first] + [last]) all-reduces of b·s·h (d; the embedding's 4;
-                    a MoE block 2, its experts not tp-split;
-                    --recompute=full: + L_k, the rerun's first g; sequence parallel: + 1.5·L_k),
-                    + [last] m·3 all-reduces of b·s floats (the loss) + 1 float (the norm)
-                    (--sequence_parallel: each all-reduce a reduce-scatter + all-gather, the
-                    same bytes, + the replicated parameters' gradients once)
-      cp (stage k)  m·L_k·cp·(cp-1) hops of K, V (2·b·s·h/tp, d bytes) forward, as many
-                    backward (and as many again for --recompute=full's rerun), as many of dK,
-                    dV (4 bytes) (--attention=ulysses instead: 4·m·L_k·cp·(cp-1) pieces of
-                    b·s·h/(tp·cp), d bytes, forward (q, k, v, out), as many backward, and
-                    again for the rerun); + one all-reduce of the gradients
-                    the rank holds (Ψ_k floats, or its P_k/S under dp_shard)
-      dp_shard      (S-1)·4P_k for the all-gather of the stage's units (twice under ZeRO-3
-                    with pp = 1 and m = 1: forward, and again before backward, as fsdp.py's
-                    traffic_per_rank counts; in bf16 there the blocks' linear layers in 2
-                    bytes, each part padded apart: unit_parts), as much for the reduce-scatter
-                    of their gradients (4 bytes), + 1 float (the norm)
-      dp_replicate  one all-reduce of the gradients the rank holds, float32 (Ψ_k or P_k/S)
-      pp            2·(pp·v-1)·m activations of b·s·h floats (b·s·h/tp with sequence parallel:
-                    each tp rank sends its own positions), + 2·V/tp·h floats (the tie) + 1 float;
-                    ZB-V: 2·(2pp-2)·m (its chunks pp-1 and pp share a rank) and no tie (rank 0
-                    holds both ends)
-      ep (stage k)  m·L_k MoE layers' exchanges (axis_messages), + 1 float (the norm)
-      ep_dp         one all-reduce of the experts' gradients the rank holds, X_k = expert_params
-                    floats (and one more on dp_replicate)
-    bench/plan_cluster.py uses this same function to predict the step time of a layout on a
-    cluster. Without --sequence_parallel every tp rank sends the whole activation across a
-    boundary: tp copies of the same bytes (Megatron's scatter/gather optimisation sends 1/tp
-    and all-gathers after); with it, each sends only its own positions.
-    """
+    """{axis: bytes per step}, summed over axis_messages(). stage=None: sent by every rank of
+    the world on that axis; stage=k: sent by the ranks of one group of the axis that a rank of
+    stage k is in (its tp, cp and data groups live on stage k; its pp group spans the stages).
+    routed: the rows that group's ep ranks dispatched to each other (stage=None: every
+    group's). Each axis' formula: docs/formulas.md; bench/plan_cluster.py uses
+    this same function to predict the step time of a layout on a cluster."""
     world = world_of(mesh)
     out = dict.fromkeys(axes(config), 0)
     for msg in axis_messages(config, cfg, mesh, routed):

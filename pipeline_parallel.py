@@ -390,16 +390,11 @@ def checkpoint_entries(stage, write=True):
 # -----------------------------------------------------------------------------
 # the W store: B computes the input's gradient only, W the weights' later
 #
-# A block's backward is mostly matmuls, two per linear layer y = x Wᵀ + b: the input's
-# gradient dx = dY W, which the previous chunk waits for, and the weight's dW = dYᵀ x, which
-# nobody waits for. When a schedule splits them (zb, zbv), each linear of the stage's blocks
-# computes through DeferredLinear: its backward (B) returns dx and the bias's gradient and
-# leaves (W, x, dY) in the micro-batch's store; W multiplies them out. B + W is then one
-# backward's work, walked once: a rerun of --recompute=full serves both. The store holds,
-# between B and W, each linear's input and its output's gradient: 7h + 9h numbers a token a
-# layer (c_attn h and 3h, attention's c_proj h and h, c_fc h and 4h, the MLP's c_proj 4h and h),
-# counted in act_bytes (w_store_bytes). The norms, biases, embedding and head keep their
-# gradients in B.
+# A linear layer's backward is two matmuls: the input's gradient dx = dY W, which the previous
+# chunk waits for, and the weight's dW = dYᵀ x, which nobody waits for. When a schedule splits
+# them (zb, zbv), each linear of the stage's blocks computes through DeferredLinear: B returns
+# dx (and the bias's gradient) and leaves (W, x, dY) in the micro-batch's store; W multiplies
+# them out. Between B and W the store holds 7h + 9h numbers a token a layer (w_store_bytes).
 
 
 class DeferredLinear(torch.autograd.Function):
@@ -631,13 +626,10 @@ def sum_tied_grads(stage, group=None):
     matrix with half its gradient: the embedding's use on the first, the head's on the
     last. The true gradient is the sum; both copies take it, so the same AdamW step
     keeps them equal. The two ends swap their halves (one C.sendrecv, V·h each way) and
-    add: g_first + g_last on one end, g_last + g_first on the other, the same bits.
-
-    Why a swap, not an all_reduce over a group of the two ends: that group would have to
-    be created by every rank of the world, in the same order (dist.new_group), and before
-    torch 2.5 NCCL built its communicator lazily on the members and eagerly on the others,
-    so a pipeline of 3+ stages hung in the creation. The swap needs no group but the
-    pipeline's own, and sends the same bytes (an all_reduce of S at N=2 sends S per rank)."""
+    add: g_first + g_last on one end, g_last + g_first on the other, the same bits. A swap,
+    not an all_reduce over a group of the two ends: that group would have to be created by
+    every rank of the world (before torch 2.5 NCCL hung there with 3+ stages); the swap needs
+    no group but the pipeline's, and sends the same bytes."""
     ranks = C.group_ranks(group)
     if stage.tied() is None or (stage.first and stage.last):
         return  # one stage, or ZB-V's rank 0: one matrix, whose two uses autograd already summed
@@ -970,21 +962,10 @@ def held_bytes(actions, forward, store):
 
 
 def traffic_per_rank(config, cfg, world):
-    """Bytes a rank sends per step, on average over the p ranks. What is sent, and in which
-    dtype under each --dtype:
-
-      message                        numbers per step                       float32  bfloat16
-      activations, their gradients   2·B·s·h across each of the p·v-1 chunk  float32  float32 (1)
-                                     boundaries (m·b·s·h each way): v = 1
-                                     but for interleaved, whose v chunks a
-                                     rank multiply the p-1 crossings by
-                                     (p·v-1)/(p-1), about v
-      the tied matrix's gradient     V·h from each of the two ends          float32  float32 (2)
-      the squared gradient norm      1 per stage, all_reduced: a tree       float32  float32
-                                     sends 2(p-1) in all
-    (1) BOUNDARY_DTYPE: the residual stream, which bf16 autocast keeps in float32.
-    (2) autocast computes in bf16 but keeps the parameters and their gradients float32.
-    So a step sends the same bytes under both."""
+    """Bytes a rank sends per step, on average over the p ranks: 2·B·s·h activations and their
+    gradients across each of the p·v-1 chunk boundaries (ZB-V: p·v-2), float32 under bf16 too
+    (BOUNDARY_DTYPE); V·h floats of the tied matrix's gradient from each end (none with ZB-V);
+    the norm's float, all-reduced (docs/formulas.md)."""
     if world == 1:
         return 0
     vee = getattr(cfg, "schedule", "1f1b") == "zbv"  # its chunks p-1 and p share a rank, and so do both ends of the tie
