@@ -40,9 +40,26 @@ import model as M
 import pipeline_parallel as PP
 import tensor_parallel as TP
 
-DEFAULTS = dict(M.TRAIN_DEFAULTS, pp=1, dp_replicate=0, dp_shard=1, cp=1, tp=1, zero_stage=3,
-                layout="zigzag", schedule="1f1b", n_micro=0, virtual_stages=2, sequence_parallel=False,
-                bucket_mb=25.0, overlap=True, prefetch=1, ep=1, dispatch="alltoall", attention="ring")
+DEFAULTS = dict(
+    M.TRAIN_DEFAULTS,
+    pp=1,                     # pipeline stages (outermost axis)
+    dp_replicate=0,           # data parallel replicas, ddp.py's buckets (0: the rest of the world)
+    dp_shard=1,               # data parallel ranks that shard each stage's units (fsdp.py's ZeRO)
+    cp=1,                     # context parallel ranks: each holds 1/cp of every sequence
+    tp=1,                     # tensor parallel ranks (innermost axis)
+    zero_stage=3,             # dp_shard's ZeRO stage: 1, 2 or 3 (fsdp.py's)
+    layout="zigzag",          # cp: how a sequence is cut, zigzag or contiguous (context_parallel.py's)
+    schedule="1f1b",          # the pipeline's schedule: gpipe, 1f1b, interleaved, zb, zbv
+    n_micro=0,                # micro-batches a step (0: 2·pp with a pipeline, else 1)
+    virtual_stages=2,         # chunks a rank holds under --schedule=interleaved
+    sequence_parallel=False,  # tp: LayerNorm and dropout on 1/tp of the positions
+    bucket_mb=25.0,           # dp_replicate: gradient bucket size in MB (ddp.py's)
+    overlap=True,             # dp_replicate's buckets and dp_shard's reduce-scatters launched in backward
+    prefetch=1,               # dp_shard: how many units' all-gathers run ahead (fsdp.py's; 0: none)
+    ep=1,                     # experts split over ep ranks borrowed from dp_shard x cp (--n_expert)
+    dispatch="alltoall",      # the experts' dispatch: alltoall or allgather
+    attention="ring",         # cp's attention: ring or ulysses
+)
 Mesh = namedtuple("Mesh", "pp dp_replicate dp_shard cp tp")  # outermost to innermost
 AXES = Mesh._fields
 CREATED = AXES[::-1]  # the order every rank creates the groups in: innermost first
