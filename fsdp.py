@@ -8,24 +8,22 @@ no rank holds the whole model; ZeRO-1 and ZeRO-2, the lighter rungs, beside it t
     torchrun --nproc_per_node=4 fsdp.py --zero_stage=2    # or 1: a lighter rung, to compare memory
 
 What is split. The batch, as in ddp.py; and the model, cut into units: each block, and the two
-ends (embeddings, final norm and the head, which reuses the token embedding: one unit, so the
-tied matrix is stored, gathered and reduced once). A unit's parameters lie end to end in flat
-buffers padded to a multiple of N; rank r keeps slice r, its shard: the fp32 master weights,
-their gradient, Adam's m and v. ZeRO-1/2 keep every unit's full weights too (the shard is a
-slice of them), ZeRO-1 the full gradient (the gradient shard a slice of it).
+ends (embeddings, final norm and the tied head: one unit, so the tied matrix is stored,
+gathered and reduced once). A unit's parameters lie end to end in flat buffers padded to a
+multiple of N; rank r keeps slice r, its shard: the fp32 master weights, their gradient,
+Adam's m and v. ZeRO-1/2 keep every unit's full weights too, ZeRO-1 the full gradient.
 
-What is sent, and when, for each micro-batch of ZeRO-3 (zero3_micro_step):
-  forward   all-gather a unit's weights just before it runs, free them right after
-  head      forward and backward at once, on one gather of the ends
-  backward  all-gather each block again (L-1 down to 0), backpropagate (through its kept graph,
-            or under --recompute=full recomputing it first from its input), free it,
-            reduce-scatter its gradient into this rank's gradient shard; the ends' gradient last
---prefetch=k issues the next k units' all-gathers while one computes. ZeRO-1/2 (zero12_step)
-reduce-scatter the gradients (ZeRO-2 block by block as backward goes, ZeRO-1 once a step),
-step on the shards and all-gather the updated weights. In bf16 a block's linear weights travel
-in bf16 (what autocast computes with), its norms and the ends in fp32; gradients in fp32.
-Bytes sent and kept: traffic_per_rank(), state_per_rank(). Checkpoints: every rank writes its
-shards as ("flat", start, stop) pieces of the global parameters, so any strategy can load them.
+What is sent, for each micro-batch of ZeRO-3 (zero3_micro_step): forward all-gathers a unit's
+weights just before it runs and frees them right after; the head runs forward and backward on
+one gather of the ends; backward all-gathers each block again (L-1 down to 0), backpropagates,
+frees it and reduce-scatters its gradient into this rank's gradient shard. --prefetch=k issues
+the next k units' all-gathers while one computes (Gathers). ZeRO-1/2 (zero12_step)
+reduce-scatter the gradients, step on the shards and all-gather the updated weights. In bf16
+a block's linear weights travel in bf16, its norms and the ends in fp32; gradients in fp32.
+
+The lesson is everything above main(); below the fence after it: the instruments (LiveUnits)
+and the formulas the tests hold the log to (traffic_per_rank, state_per_rank). parallel_nd.py
+drives the same Unit and Gathers through its pipeline stage's hooks (Handoff, GradReduces).
 """
 from collections import deque
 from dataclasses import dataclass
@@ -45,7 +43,7 @@ class Sharded:
     """The model as this rank holds it, and what its steps need besides a batch."""
     units: list         # units[0]: the ends (embeddings, final norm, tied head); then the blocks in order
     group: object       # the process group the units are sharded over (None: the whole world)
-    stage: int          # --zero_stage: 3 shards the weights too; 1 and 2 keep them whole
+    zero_stage: int     # --zero_stage: 3 shards the weights too; 1 and 2 keep them whole
     prefetch: int       # ZeRO-3: how many units' all-gathers run ahead of the unit computing
     autocast: object    # the run's autocast context (bf16), or a null one
     live: "LiveUnits"   # an instrument: which units' full weights exist now, the most at once (after main())
@@ -58,39 +56,33 @@ class Sharded:
 
 
 def gather_dtype(name, low):
-    """The one place that says what a unit's full copy of a parameter is: what autocast computes
-    with. A block's linear weights and biases in `low` (bf16 in a bf16 run: half the bytes sent,
-    the very rounding autocast does); LayerNorm and the ends in fp32, since autocast keeps
-    LayerNorm and the embedding lookup in fp32 (the head casts the tied matrix as autocast does),
-    and a mixture's router (model.route computes it in fp32). Gathering everything in bf16, as
-    PyTorch FSDP's MixedPrecision(param_dtype=bf16) does, sends fewer bytes but runs the norms
-    and the embedding on rounded weights: a slightly other model. name: in the block
-    ("attn.c_attn.weight"), or in parallel_nd.py's stage ("transformer.h.3.attn.c_attn.weight")."""
+    """What a unit's full copy of a parameter is: what autocast computes with. A block's linear
+    weights and biases in `low` (bf16 in a bf16 run: half the bytes sent); LayerNorm, a router
+    and the ends in fp32, as autocast keeps them (PyTorch FSDP's MixedPrecision(param_dtype=bf16)
+    gathers everything in bf16: a slightly other model). name: in the block, or in
+    parallel_nd.py's stage ("transformer.h.3.attn.c_attn.weight")."""
     name = name.split(".", 3)[3] if name.startswith("transformer.h.") else name
     return low if name.startswith(("attn.", "mlp.")) and not name.startswith("mlp.router") else torch.float32
 
 
 class Unit:
     """One unit on this rank. Its parameters (`named`: a module's) lie end to end in one flat
-    buffer per gather dtype (a part: one in fp32 runs; a bf16 block has its linear layers and
-    its LayerNorms), padded to a multiple of the group's N ranks, and the parameters become
-    views into those buffers: the module computes on whatever the buffers hold. Rank r keeps
-    slice r of each part in fp32, its shard (the master weights the optimizer updates), and
-    their gradient. ZeRO-3 holds the full buffers only from gather() to free(): freeing
-    shrinks their storage to nothing, views and all, even where autograd's graph still refers
-    to them, and gathering fills the same storage again, so the graph finds its weights back in
-    backward (PyTorch's FSDP frees the same way). ZeRO-1/2 keep them, a fp32 shard being this
-    rank's slice of them, no copy; ZeRO-1 keeps the full fp32 gradient too, the gradient shard
-    its slice. live: an instrument told of each gather and free (LiveUnits), or None."""
+    buffer per gather dtype (a part), padded to a multiple of the group's N ranks, and become
+    views into those buffers. Rank r keeps slice r of each part in fp32, its shard (the master
+    weights the optimizer updates), and their gradient. ZeRO-3 holds the full buffers only from
+    gather() to free(): freeing shrinks their storage to nothing, even where autograd's graph
+    still refers to them, and gathering fills the same storage again, so the graph finds its
+    weights back in backward (PyTorch's FSDP frees the same way). ZeRO-1/2 keep them (a fp32
+    shard is a slice of them), ZeRO-1 the full fp32 gradient too. live: LiveUnits, or None."""
 
-    def __init__(self, named, group, stage, device, low=torch.float32, name="", live=None):
-        self.group, self.stage, self.name, self.live = group, stage, name, live
+    def __init__(self, named, group, zero_stage, device, low=torch.float32, name="", live=None):
+        self.group, self.zero_stage, self.name, self.live = group, zero_stage, name, live
         self.rank, self.world = C.get_rank(group), C.get_world_size(group)
         self.names, self.params = [n for n, _ in named], [p for _, p in named]
         by_dtype = {}
         for i, n in enumerate(self.names):
             by_dtype.setdefault(gather_dtype(n, low), []).append(i)
-        self.parts, self.full, self.shards, self.grads, self.full_grad = [], [], [], [], []
+        self.parts, self.full, self.shards, self.grads, self.full_grad, self.masters = [], [], [], [], [], []
         for dtype, idx in by_dtype.items():  # (dtype, the parameters' indices, their offsets, shard size)
             offsets = [sum(self.params[j].numel() for j in idx[:k]) for k in range(len(idx))]
             size = -(-(offsets[-1] + self.params[idx[-1]].numel()) // self.world)
@@ -100,13 +92,17 @@ class Unit:
             full = flat.to(dtype)  # fp32: the same tensor
             self.parts.append((dtype, idx, offsets, size))
             mine = slice(self.rank * size, (self.rank + 1) * size)
-            self.shards.append(full[mine] if stage < 3 and dtype == torch.float32 else flat[mine].clone())
-            self.full_grad += [torch.zeros(size * self.world, device=device)] if stage == 1 else []
-            self.grads.append(self.full_grad[-1][mine] if stage == 1 else torch.zeros(size, device=device))
+            self.shards.append(full[mine] if zero_stage < 3 and dtype == torch.float32 else flat[mine].clone())
+            self.full_grad += [torch.zeros(size * self.world, device=device)] if zero_stage == 1 else []
+            self.grads.append(self.full_grad[-1][mine] if zero_stage == 1 else torch.zeros(size, device=device))
             self.full.append(full)
+            # a checkpoint's fp32 full weights: a fp32 part's are its full buffer; a bf16 part's a
+            # buffer of their own, filled only for a save or a load (gather_masters)
+            self.masters.append(full if dtype == torch.float32 else torch.empty(full.numel(), device=device))
         for p, view in zip(self.params, self.views(self.full)):
             p.data = view  # the module now computes on the full buffers
-        if stage == 3:
+        self.free_masters()
+        if zero_stage == 3:
             self.free()
 
     def views(self, flats):
@@ -161,7 +157,10 @@ class Unit:
         """[(name, view, parameter, start, stop)] for the piece of each parameter in this rank's
         shards: parameter.view(-1)[start:stop]. The optimizer updates the shard in place
         through these views and reads the gradient shard through their .grad. nanoGPT's decay
-        rule (model.decays) looks at the shape, so a piece of a matrix is a one-row matrix."""
+        rule (model.decays) looks at the shape, so a piece of a matrix is a one-row matrix.
+        Made once: the optimizer's state is keyed by these views."""
+        if hasattr(self, "mine"):
+            return self.mine
         out = []
         for (_, idx, offsets, size), shard, grad in zip(self.parts, self.shards, self.grads):
             start = self.rank * size
@@ -176,7 +175,73 @@ class Unit:
                 piece.grad = g
                 out.append((self.names[i], piece, p, lo - o, hi - o))
         self.held = [(piece, piece.grad) for _, piece, *_ in out]
+        self.mine = out
         return out
+
+    # a module trained by backward() into .grad (parallel_nd.py's stage), not by fsdp.py's loops
+
+    def grad_shards(self):
+        """This rank's gradient shards, fp32, one a part (padding included)."""
+        return self.grads
+
+    def gathered(self):
+        return self.full[0].untyped_storage().nbytes() > 0
+
+    def zero_grad(self):
+        """Before a step: ZeRO-1's full gradient zeroed and handed to autograd as the parameters'
+        .grad (it accumulates into them in place); ZeRO-2/3: none, autograd allocates."""
+        if self.zero_stage == 1:
+            for g in self.full_grad:
+                g.zero_()
+            for p, view in zip(self.params, self.views(self.full_grad)):
+                p.grad = view
+
+    def start_reduce(self):
+        """Start reduce-scattering the parameters' .grad (every micro-batch's, summed), and drop
+        it (ZeRO-2/3: the flat copy is on its way). Whatever gradient autograd left ends in the
+        flat buffer: ZeRO-1's .grad replaced by another tensor (a caller's
+        zero_grad(set_to_none=True)) is added into it, not lost. -> for finish_reduce()"""
+        if self.zero_stage == 1:
+            for p, view in zip(self.params, self.views(self.full_grad)):
+                if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
+                    view += p.grad
+            return self.reduce_scatter(self.full_grad)
+        out = self.reduce_scatter(self.flat_grads([torch.zeros_like(p) if p.grad is None else p.grad
+                                                   for p in self.params]))
+        self.drop_grads()
+        return out
+
+    def finish_reduce(self, reducing):
+        """The average over the group into the gradient shard (once a step: it replaces it)."""
+        add_reduced(reducing, replace=True)
+        self.drop_grads()
+
+    def drop_grads(self):
+        if self.zero_stage > 1:
+            for p in self.params:
+                p.grad = None
+
+    # the fp32 full weights a checkpoint holds (a bf16 part's gathered apart from its full buffer)
+
+    def gather_masters(self):
+        for master, full, shard in zip(self.masters, self.full, self.shards):
+            if master is not full:
+                if not master.untyped_storage().nbytes():
+                    master.untyped_storage().resize_(master.numel() * master.element_size())
+                C.all_gather(master, shard, group=self.group)
+
+    def free_masters(self):
+        for master, full in zip(self.masters, self.full):
+            if master is not full:
+                master.untyped_storage().resize_(0)
+
+    def master_params(self):
+        """Each parameter's fp32 full weights (the parameter itself where it is fp32): made once,
+        after a gather_masters(), and the same tensors from then on (a checkpoint's entries)."""
+        if not hasattr(self, "master_views"):
+            self.master_views = [p if p.dtype == torch.float32 else v
+                                 for p, v in zip(self.params, self.views(self.masters))]
+        return self.master_views
 
 
 def add_reduced(reducing, replace=False):
@@ -198,33 +263,95 @@ def add_reduced(reducing, replace=False):
 class Gathers:
     """The all-gathers of one pass over the units, issued in `schedule`, the order in which
     the units will compute, and at most `prefetch` ahead of the unit computing.
-    take(u): u's full weights, its all-gather done (issued now if it was not ahead).
+    take(u): u's full weights, its all-gather done (issued now if it was not ahead); a unit
+    taken and not freed since is kept (parallel_nd.py's pipeline keeps its units to the step's
+    end, each listed once: every micro-batch's forward and backward reuse one gather).
     prefetch(): issue the next units' all-gathers, to travel while u computes.
     free(u): u's weights go, unless its next all-gather is already issued (the last block's,
-    for backward, while its forward computes): the memory stays, written with the same weights."""
+    for backward, while its forward computes): the memory stays, written with the same weights.
+    waits: (start, end) of each wait, an instrument (on a GPU, reading them waits)."""
 
     def __init__(self, schedule, prefetch):
         self.todo, self.ahead, self.n = deque(schedule), deque(), prefetch  # not issued yet; issued, not taken
+        self.taken, self.waits = set(), []
 
     def take(self, u):
+        if u in self.taken:
+            return
         if not self.ahead:
             self._issue()
         unit, handles = self.ahead.popleft()
         assert unit is u, "units taken out of schedule order"  # every rank must gather in one order
+        t0 = M.now(u.full[0].device)
         for h in handles:
             h.wait()
+        self.waits.append((t0, M.now(u.full[0].device)))
+        self.taken.add(u)
 
     def prefetch(self):
         while len(self.ahead) < self.n and self.todo:
             self._issue()
 
     def free(self, u):
+        self.taken.discard(u)
         if all(unit is not u for unit, _ in self.ahead):
             u.free()
 
     def _issue(self):
         u = self.todo.popleft()
         self.ahead.append((u, u.gather(async_op=True)))
+
+
+class Handoff(torch.autograd.Function):
+    """x unchanged; when its gradient comes back, `then()` runs: for a module trained by one
+    backward() (parallel_nd.py's stage), the point where the unit after x is done with its
+    weights and the unit that made x begins (free the one, take the other)."""
+
+    @staticmethod
+    def forward(ctx, x, then):
+        ctx.then = then
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.then()
+        return grad, None
+
+
+class GradReduces:
+    """The reduce-scatters of units whose gradients backward() accumulates in .grad (parallel_nd.py's
+    stage): `overlap`'s units each start as soon as the last micro-batch's backward has reached
+    every one of its parameters (`sync`, set by the caller for that micro-batch; earlier ones
+    only accumulate): the previous unit's finished (its flat copy freed), this one's started and
+    its .grad dropped, so backward ends holding one unit's gradient in flight, not two copies of
+    all. finish(units): the one in flight waited for, the rest sent now. waits, as Gathers'."""
+
+    def __init__(self, overlap):
+        self.sync, self.seen, self.sent, self.reducing, self.waits = False, {}, set(), None, []
+        for u in overlap:
+            for p in u.params:
+                p.register_post_accumulate_grad_hook(partial(self._accumulated, u))
+
+    def _accumulated(self, u, p):
+        if self.sync:
+            self.seen[u] = self.seen.get(u, 0) + 1
+            if self.seen[u] == len(u.params):  # u's gradient is complete: on its way now
+                self._finish()
+                self.reducing, self.sent = (u, u.start_reduce()), self.sent | {u}
+
+    def _finish(self):
+        if self.reducing:
+            self.reducing[0].finish_reduce(self.reducing[1])
+            self.reducing = None
+
+    def finish(self, units):
+        t0 = M.now(units[0].full[0].device)
+        self._finish()
+        for u in units:
+            if u not in self.sent:
+                u.finish_reduce(u.start_reduce())
+        self.seen, self.sent = {}, set()
+        self.waits.append((t0, M.now(units[0].full[0].device)))
 
 
 def leaf(t):
@@ -236,16 +363,10 @@ def leaf(t):
 # ZeRO-3: a unit's full weights exist only while it computes
 
 
-# --recompute under ZeRO-3. A block's full weights live only while it computes: after its
-# forward they are freed, and backward gathers them again into the same memory. What autograd
-# keeps of the activations between the two is another matter, the one --recompute decides, as
-# in every strategy (PyTorch's FSDP is the same: weights re-gathered, activations kept unless
-# activation checkpointing is applied):
-#   none, gelu  forward builds the block's graph on the gathered weights, which are then
-#               freed under it; backward gathers them again, and runs the kept graph
-#   full        forward runs without autograd and keeps each block's input (b·s·h numbers);
-#               backward recomputes the block from it on the re-gathered weights: one more
-#               forward, and the least memory
+# --recompute under ZeRO-3: the weights are re-gathered for backward whatever it says; what
+# autograd keeps of the activations is what --recompute decides, as in every strategy: none,
+# gelu: forward builds the block's graph on weights then freed under it, backward runs it on
+# the re-gathered ones; full: forward keeps each block's input only, backward recomputes.
 
 
 def zero3_forward(net, idx, gathers, kept=None):
@@ -386,7 +507,7 @@ def accumulate(net, u, grads, reducing):
     """ZeRO-1: u's gradient added to its full fp32 gradient (reduce-scattered once a step).
     ZeRO-2: the previous unit's reduce-scatter finished, u's started: it travels while the
     next block's backward computes. -> what is in flight"""
-    if net.stage == 1:
+    if net.zero_stage == 1:
         for full_grad, g in zip(u.full_grad, u.flat_grads(grads)):
             full_grad += g  # in fp32
         return None
@@ -405,7 +526,7 @@ def zero12_step(net, run, it):
         x, y = M.batch(run, it, "train", m, accum, C.get_rank(net.group), C.get_world_size(net.group))
         micro_loss, micro_act = zero12_micro_step(net, x, y, 1.0 / accum)
         loss, act = loss + micro_loss / accum, max(act, micro_act)
-    if net.stage == 1:  # one reduce-scatter a unit per step, whatever n_micro is
+    if net.zero_stage == 1:  # one reduce-scatter a unit per step, whatever n_micro is
         reducing = None
         for u in net.units:
             add_reduced(reducing, replace=True)
@@ -483,6 +604,72 @@ def clip_grad_shards(units, max_norm, group):
 
 
 # -----------------------------------------------------------------------------
+# the sharded state as full tensors: parallel_nd.py's checkpoints (its entries are tensor
+# parallel slices, which no flat piece can name), loaded and saved by any layout
+
+
+class FullState:
+    """What model.py's checkpoints see of a sharded optimizer: its param_groups (the learning
+    rate), and a `state` keyed by the units' full fp32 parameters (Unit.master_params):
+    unshard() fills it before a save; model.restore() from a checkpoint, then reshard()."""
+
+    def __init__(self, optimizer):
+        self.optimizer, self.state = optimizer, {}
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+
+@torch.no_grad()
+def full_params(units):
+    """{parameter: its full fp32 weights}, every unit gathered (a bf16 part's masters too), to
+    load a checkpoint into. Untracked: not training traffic."""
+    with C.untracked():
+        for u in units:
+            u.gather()
+            u.gather_masters()
+    return {p: m for u in units for p, m in zip(u.params, u.master_params())}
+
+
+@torch.no_grad()
+def unshard(units, optimizer, full_state):
+    """Every unit's full weights (ZeRO-3: gathered) and Adam's moments all-gathered over the
+    group into full-parameter tensors, into full_state, for a checkpoint. Untracked."""
+    with C.untracked():
+        for u in units:
+            if not u.gathered():
+                u.gather()
+            u.gather_masters()
+            moments = {}
+            for m in M.MOMENTS:
+                mine = [torch.zeros_like(t) for t in u.masters]  # this rank's pieces, where they lie in the full part
+                views = dict(zip(map(id, u.params), u.views(mine)))
+                for _, piece, p, lo, hi in u.pieces():
+                    views[id(p)].view(-1)[lo:hi] = optimizer.state[piece][m].reshape(-1)
+                moments[m] = [torch.empty_like(t) for t in mine]
+                for out, flat, (*_, size) in zip(moments[m], mine, u.parts):
+                    C.all_gather(out, flat[u.rank * size:(u.rank + 1) * size].clone(), group=u.group)
+            for p, *views in zip(u.master_params(), *(u.views(moments[m]) for m in M.MOMENTS)):
+                full_state.state[p] = dict(zip(M.MOMENTS, views))
+
+
+@torch.no_grad()
+def reshard(units, full_state, optimizer):
+    """After model.restore() loaded the full parameters (full_params) and their moments: each
+    rank keeps its shard of both (and the step count), as the run had them when it saved."""
+    for u in units:
+        for shard, master, (*_, size) in zip(u.shards, u.masters, u.parts):
+            shard.copy_(master[u.rank * size:(u.rank + 1) * size])
+        master_of = dict(zip(map(id, u.params), u.master_params()))
+        for _, piece, p, lo, hi in u.pieces():
+            state = full_state.state.get(master_of[id(p)])
+            if state:
+                optimizer.state[piece] = dict(step=state["step"].clone(), **{
+                    m: state[m].reshape(-1)[lo:hi].reshape(piece.shape).clone() for m in M.MOMENTS})
+
+
+# -----------------------------------------------------------------------------
 # the run
 
 
@@ -499,10 +686,10 @@ def main(argv=None):
     if cfg.batch_size % (world * cfg.n_micro):
         M.die(f"--batch_size={cfg.batch_size} does not divide into {world} rank{'s' * (world > 1)} x {cfg.n_micro} micro-steps")
     group = None  # the whole world; parallel_nd.py runs the same pieces on a sub-group
-    stage = cfg.zero_stage
+    zero_stage = cfg.zero_stage
 
     live = LiveUnits()
-    net = Sharded(build_units(config, cfg, group, device, live), group, stage, cfg.prefetch, run.autocast, live,
+    net = Sharded(build_units(config, cfg, group, device, live), group, zero_stage, cfg.prefetch, run.autocast, live,
                   cfg.recompute, not cfg.compile)
     units = net.units
     # the optimizer's pieces: each a ("flat", start, stop) piece of a global parameter
@@ -510,13 +697,13 @@ def main(argv=None):
     optimizer = M.make_optimizer([(name, p) for name, p, _ in pieces], cfg, device)
     # a checkpoint holds every rank's shards: each is a ("flat", start, stop) piece of a global parameter
     M.restore(run, [(name, p, index, True) for name, p, index in pieces], optimizer)
-    if stage < 3:
+    if zero_stage < 3:
         with C.untracked():
             gather_full_weights(net)  # from the shards, loaded ones included
     if rank == 0:
         n_params = M.param_count(config)
         shard = sum(size for u in units for *_, size in u.parts)
-        print(f"fsdp: {world} rank{'s' * (world > 1)}, ZeRO-{stage}, prefetch {cfg.prefetch}, {n_params / 1e6:.2f}M parameters "
+        print(f"fsdp: {world} rank{'s' * (world > 1)}, ZeRO-{zero_stage}, prefetch {cfg.prefetch}, {n_params / 1e6:.2f}M parameters "
               f"in {len(units)} units, {shard / 1e6:.2f}M per rank ({shard * world - n_params} padding), "
               f"{cfg.batch_size // (world * cfg.n_micro)} x {config.block_size} tokens per rank per micro-step")
 
@@ -527,7 +714,7 @@ def main(argv=None):
             for k in range(cfg.eval_iters):
                 for m in range(cfg.n_micro):  # the same rows as a training step: the whole global batch
                     x, y = M.batch(run, k, "val", m, cfg.n_micro, C.get_rank(group), C.get_world_size(group))
-                    losses[k, m] = zero3_loss(net, x, y) if stage == 3 else zero12_loss(net, x, y)
+                    losses[k, m] = zero3_loss(net, x, y) if zero_stage == 3 else zero12_loss(net, x, y)
             C.all_reduce(losses, op="avg", group=group)
         return losses.mean().item()
 
@@ -538,15 +725,15 @@ def main(argv=None):
         for u in units:
             for g in u.grads:
                 g.zero_()
-        loss, act = zero3_step(net, run, it) if stage == 3 else zero12_step(net, run, it)
+        loss, act = zero3_step(net, run, it) if zero_stage == 3 else zero12_step(net, run, it)
         with M.span("optimizer"):
             norm = clip_grad_shards(units, cfg.grad_clip, group) if cfg.grad_clip else 0.0
             optimizer.step()  # on this rank's shards only
-        if stage < 3:
+        if zero_stage < 3:
             gather_full_weights(net)  # every rank needs every unit's updated weights again
         # ---------------------------------------------------------------- end of the training step
         M.end_iter(run, loss=loss, grad_norm=norm, state_bytes=state_bytes(units, optimizer),
-                   act_bytes=act, max_gathered_units=net.live.peak if stage == 3 else len(units))
+                   act_bytes=act, max_gathered_units=net.live.peak if zero_stage == 3 else len(units))
     return M.finish(run)
 
 
@@ -573,11 +760,12 @@ class LiveUnits:
             self.weights.difference_update(t.untyped_storage().data_ptr() for t in u.full)
 
 
-def state_bytes(units, optimizer):
+def state_bytes(units, optimizer, extra=()):
     """Parameters, gradients and Adam's state resident on this rank, each storage counted once:
-    a shard that is a slice of the full weights, or of the full gradient, is no copy."""
+    a shard that is a slice of the full weights, or of the full gradient, is no copy. extra:
+    other tensors held (parallel_nd.py's: the parameters and their .grad)."""
     kept = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-            for u in units for t in u.shards + u.grads + u.full + u.full_grad}
+            for t in [t for u in units for t in u.shards + u.grads + u.full + u.full_grad] + list(extra)}
     return sum(kept.values()) + M.optimizer_state_bytes(optimizer)
 
 
@@ -595,17 +783,11 @@ def unit_parts(config, cfg, world):
 
 
 def traffic_per_rank(config, cfg, world):
-    """Bytes one rank sends per step (the average over ranks). A ring all-gather or
-    reduce-scatter of S bytes makes each rank send (N-1)/N·S: N-1 steps, each a 1/N chunk.
-    Each part of each unit, padded to a multiple of N, is
-      ZeRO-3    all-gathered twice (forward, and backward's recompute) and reduce-scattered
-                once per micro-step: 3(N-1)/N · 4Ψ · n_micro in fp32
-      ZeRO-2    reduce-scattered per micro-step, all-gathered once a step: (n_micro + 1)(N-1)/N · 4Ψ
-      ZeRO-1    reduce-scattered and all-gathered once a step: 2(N-1)/N · 4Ψ, DDP's all-reduce
-    with Ψ the parameters (padded). A gather sends its part's dtype, a reduce-scatter fp32:
-    in bf16, with Ψ_lo the blocks' linear parameters gathered in bf16, each gather is
-    2Ψ_lo + 4(Ψ - Ψ_lo) bytes (ZeRO-3: (N-1)/N · (2(2Ψ_lo + 4(Ψ - Ψ_lo)) + 4Ψ) · n_micro).
-    Plus the gradient norm's all-reduce of one float."""
+    """Bytes one rank sends per step (the average over ranks): each unit's parts (padded, Ψ in
+    all) all-gathered in their dtype and reduce-scattered in fp32, (N-1)/N of the bytes each:
+    ZeRO-3 3(N-1)/N·4Ψ·n_micro (two gathers, one reduce-scatter a micro-step), ZeRO-2
+    (n_micro + 1)(N-1)/N·4Ψ, ZeRO-1 2(N-1)/N·4Ψ, in fp32; plus the norm's float
+    (docs/formulas.md)."""
     found = unit_parts(config, cfg, world)
     gather, reduce = sum(p * b for _, p, b in found), sum(p * 4 for _, p, _ in found)
     a = cfg.n_micro
@@ -616,16 +798,10 @@ def traffic_per_rank(config, cfg, world):
 
 def state_per_rank(config, cfg, world):
     """Bytes of parameters, gradients and Adam's state on each rank: what state_bytes() measures.
-    Each part of n elements is padded to P = N·⌈n/N⌉ and rank r keeps S = P/N of it, R_r of them
-    real (Adam's m and v exist only for those: 8 bytes each). Summed over the parts, with P_lo,
-    S_lo the parts gathered in bf16 (a bf16 run's linear layers; none in fp32), the full weights
-    take W = 2P_lo + 4(P - P_lo); a fp32 shard is a slice of them, a bf16 part's master a copy:
-      ZeRO-3   4S + 4S + 8R_r             (master shard, gradient shard, m and v)
-      ZeRO-2   W + 4S_lo + 4S + 8R_r      (the full weights; gradients and Adam sharded)
-      ZeRO-1   W + 4S_lo + 4P + 8R_r      (the full weights and the full fp32 gradient)
-    Without padding (Ψ parameters, Ψ_lo of them linear): in fp32 ZeRO-3 16Ψ/N, ZeRO-2
-    4Ψ + 12Ψ/N, ZeRO-1 8Ψ + 8Ψ/N; in bf16 ZeRO-3 16Ψ/N, ZeRO-2 4Ψ - 2Ψ_lo + (12Ψ + 4Ψ_lo)/N,
-    ZeRO-1 8Ψ - 2Ψ_lo + (8Ψ + 4Ψ_lo)/N. -> [bytes on rank r for r in range(N)]"""
+    Each part of n elements is padded to P = N·⌈n/N⌉, rank r keeps S = P/N of it, R_r real (Adam's
+    moments only for those); W = 2P_lo + 4(P - P_lo) the full weights (P_lo: parts gathered in bf16):
+    ZeRO-3 8S + 8R_r, ZeRO-2 W + 4S_lo + 4S + 8R_r, ZeRO-1 W + 4S_lo + 4P + 8R_r; without padding
+    in fp32 16Ψ/N, 4Ψ + 12Ψ/N, 8Ψ + 8Ψ/N (docs/formulas.md). -> [bytes on rank r for r in range(N)]"""
     found = unit_parts(config, cfg, world)
     P = sum(p for _, p, _ in found)
     P_lo = sum(p for _, p, b in found if b == 2)

@@ -1,38 +1,27 @@
 """
 Every axis on one mesh: pipeline x data (replicated, and sharded) x context x tensor, on
 pp·dp_replicate·dp_shard·cp·tp ranks (Megatron-LM's "PTD-P", Narayanan et al. 2021, grown as
-torchtitan grows it: FSDP inside each replica group, context parallelism for long sequences).
-The pipeline cuts the model into pp stages by depth; tensor parallelism cuts each stage's
-matrices over tp ranks; context parallelism cuts each sequence into cp parts that attend to
-each other round a ring; and that group of cp·tp ranks is repeated over the data axes, each on
-its own rows of the batch: dp_shard ranks that keep 1/dp_shard of the stage's weights,
-gradients and Adam state (fsdp.py's units), and dp_replicate copies of all that (HSDP when both
-are > 1). A mixture of experts (--n_expert) splits its experts over ep ranks borrowed from the
-dp_shard x cp block. The pieces are ddp.py's, fsdp.py's, tensor_parallel.py's,
-context_parallel.py's, pipeline_parallel.py's and expert_parallel.py's, run on sub-groups.
+torchtitan grows it). Nothing here is a new mechanism: main() assembles, axis by axis, the
+strategy files' own pieces on sub-groups of the world (as torchtitan's parallelize_llama):
+the groups of the mesh; a pipeline_parallel.Stage whose blocks are tensor_parallel's, with
+context_parallel's attention and expert_parallel's layer (--n_expert, on ep ranks borrowed
+from dp_shard x cp); then data parallelism: dp_shard, fsdp.py's units (Unit, Gathers,
+GradReduces), dp_replicate, ddp.py's GradBuckets (HSDP when both are > 1); the loop of
+pipeline_parallel's Executor.
 
     torchrun --nproc_per_node=8 parallel_nd.py --dp_replicate=2 --tp=2 --pp=2 --n_micro=4
     torchrun --nproc_per_node=8 parallel_nd.py --dp_shard=2 --tp=2 --pp=2            # FSDP x TP x PP
     torchrun --nproc_per_node=8 parallel_nd.py --dp_replicate=2 --dp_shard=2 --tp=2  # HSDP x TP
-    torchrun --nproc_per_node=8 parallel_nd.py --dp_shard=2 --cp=2 --tp=2 --layout=zigzag
     torchrun --nproc_per_node=8 parallel_nd.py --dp_shard=2 --cp=2 --tp=2 --n_expert=8 --ep=4  # + EP
     torchrun --nnodes=16 --nproc_per_node=8 ... parallel_nd.py --model=gpt2-xl --pp=4   # see bench/plan_cluster.py
 
 The mesh. rank = (((pp_rank·R + rep_rank)·S + shard_rank)·CP + cp_rank)·TP + tp_rank: the axis
-that sends the most, most often, innermost, on the fastest links: tp (4 all-reduces of
-activations a layer, nothing hides them), then cp (K and V round the ring, behind the
-attention), dp_shard (a step's weights all-gathered, its gradients reduce-scattered),
-dp_replicate (one all-reduce a step, overlapped with backward), and pp outermost (one
-activation a micro-batch, to one neighbour). Every rank makes every group, in one order.
+that sends the most, most often, innermost, on the fastest links (tp, then cp, dp_shard,
+dp_replicate, and pp outermost: one activation a micro-batch, to one neighbour).
 
-The step (train_step): the data rank's rows, cut into m micro-batches for any of
-pipeline_parallel's schedules, each stage running tensor parallel's pieces on its tp group and
-its attention on the cp ring; then reduce_gradients (the tie between the pipeline's two ends,
-dp_shard's reduce-scatter of each unit's gradient, the average over cp and dp_replicate, the
-experts' over ep_dp and dp_replicate), the clip and the update. What each axis sends per
-step: axis_bytes(), which the tests hold the log to and bench/plan_cluster.py uses to predict a
-cluster's layouts. The order's reasons, the experts' groups, ZeRO in a pipeline and the flags:
-docs/parallel_nd.md.
+The lesson is everything above main(); below the fence after it: axis_bytes(), what each axis
+sends per step, which the tests hold the log to and bench/plan_cluster.py uses. The order's
+reasons, the experts' groups, ZeRO in a pipeline and the flags: docs/parallel_nd.md.
 """
 from collections import namedtuple
 from functools import partial
@@ -51,9 +40,26 @@ import model as M
 import pipeline_parallel as PP
 import tensor_parallel as TP
 
-DEFAULTS = dict(M.TRAIN_DEFAULTS, pp=1, dp_replicate=0, dp_shard=1, cp=1, tp=1, zero_stage=3,
-                layout="zigzag", schedule="1f1b", n_micro=0, virtual_stages=2, sequence_parallel=False,
-                bucket_mb=25.0, overlap=True, ep=1, dispatch="alltoall", attention="ring")
+DEFAULTS = dict(
+    M.TRAIN_DEFAULTS,
+    pp=1,                     # pipeline stages (outermost axis)
+    dp_replicate=0,           # data parallel replicas, ddp.py's buckets (0: the rest of the world)
+    dp_shard=1,               # data parallel ranks that shard each stage's units (fsdp.py's ZeRO)
+    cp=1,                     # context parallel ranks: each holds 1/cp of every sequence
+    tp=1,                     # tensor parallel ranks (innermost axis)
+    zero_stage=3,             # dp_shard's ZeRO stage: 1, 2 or 3 (fsdp.py's)
+    layout="zigzag",          # cp: how a sequence is cut, zigzag or contiguous (context_parallel.py's)
+    schedule="1f1b",          # the pipeline's schedule: gpipe, 1f1b, interleaved, zb, zbv
+    n_micro=0,                # micro-batches a step (0: 2·pp with a pipeline, else 1)
+    virtual_stages=2,         # chunks a rank holds under --schedule=interleaved
+    sequence_parallel=False,  # tp: LayerNorm and dropout on 1/tp of the positions
+    bucket_mb=25.0,           # dp_replicate: gradient bucket size in MB (ddp.py's)
+    overlap=True,             # dp_replicate's buckets and dp_shard's reduce-scatters launched in backward
+    prefetch=1,               # dp_shard: how many units' all-gathers run ahead (fsdp.py's; 0: none)
+    ep=1,                     # experts split over ep ranks borrowed from dp_shard x cp (--n_expert)
+    dispatch="alltoall",      # the experts' dispatch: alltoall or allgather
+    attention="ring",         # cp's attention: ring or ulysses
+)
 Mesh = namedtuple("Mesh", "pp dp_replicate dp_shard cp tp")  # outermost to innermost
 AXES = Mesh._fields
 CREATED = AXES[::-1]  # the order every rank creates the groups in: innermost first
@@ -160,324 +166,107 @@ def print_mesh(groups, mesh):
 # a pipeline stage made of tensor parallel pieces
 
 
-class Stage(nn.Module):
-    """Stage `stage` of `n_stages` (pipeline_parallel.Stage's blocks), each unit built
-    whole from the seed and cut to this rank's tensor parallel slice (tensor_parallel's
-    build), under model.GPT's parameter names. The last stage's head is its own copy of
-    this tp rank's slice of the tied matrix (lm_head.weight); one stage, or ZB-V's rank 0 (both
-    ends): the same one.
-    pos: this cp rank's global positions (None: all of them); ring: its attention's ring;
-    moe: MoE -> its layer on the mesh (expert_parallel.ExpertParallelMoE), for --n_expert.
-    gather(unit): called before a unit ("ends", "head": the ends again, or a block's index)
-    computes (ZeRO-3); done(unit, x): after it, on its output x (ZeRO-3 with one micro-batch
-    frees it there, ShardComm.done)."""
+class ParallelLayers(PP.Whole):
+    """pipeline_parallel.Stage's pieces on the mesh: each unit built whole from the seed and
+    cut to this rank's tensor parallel slice (tensor_parallel's build; the last stage's head
+    its own copy of this tp rank's slice of the tied matrix, under the name lm_head.weight),
+    run in tensor parallel's (s, b, h) layout. pos: this cp rank's global positions (None:
+    all of them); ring: its attention's ring (context_parallel's); moe: MoE -> its layer on
+    the mesh (expert_parallel.ExpertParallelMoE), for --n_expert."""
 
-    def __init__(self, config, stage, n_stages, seed, group, sp, n_virtual=1, pos=None, ring=None, moe=None,
-                 attention="ring", schedule=None):
-        super().__init__()
-        self.config, self.group, self.sp, self.pos = config, group, sp, pos
-        self.gather, self.done = lambda unit: None, lambda unit, x: x
-        self.recompute = "none"  # --recompute: what each block keeps for backward (model.recompute_block)
-        self.n_chunks = n_stages * n_virtual  # pipeline_parallel.Stage's chunks: r, r+p, ... (ZB-V: r, 2p-1-r)
-        self.chunks = {c: PP.stage_layers(config.n_layer, self.n_chunks, c)
-                       for c in PP.chunks_of(schedule, n_stages, stage, n_virtual)}
-        self.first, self.last = 0 in self.chunks, self.n_chunks - 1 in self.chunks
-        self.transformer = nn.ModuleDict(dict(h=nn.ModuleDict(
-            {str(i): TP.parallel_block(M.build_unit(config, i, seed), group, sp, moe) for c in self.chunks
-             for i in self.chunks[c]})))
-        if ring is not None:  # context parallel: model.py's attend() hook, as context_parallel.use_ring
-            for block in self.transformer["h"].values():
-                block.attn.attend = partial(CP.ATTENTION[attention], ring=ring)
-        if self.first:
-            emb = M.build_unit(config, "embed", seed)
-            self.transformer["wte"] = TP.VocabParallelEmbedding(emb.wte, group, sp)
-            self.transformer["wpe"] = emb.wpe
-        if self.last:
-            self.transformer["ln_f"] = M.build_unit(config, "ln_f", seed)
-            if not self.first:
-                self.lm_head = TP.VocabParallelEmbedding(M.build_unit(config, "embed", seed).wte, group, sp)
+    def __init__(self, config, seed, group, sp, pos=None, ring=None, attention="ring", moe=None):
+        super().__init__(config, seed)
+        self.group, self.sp, self.pos, self.ring, self.attention, self.moe = group, sp, pos, ring, attention, moe
 
-    def head(self):
-        return self.transformer["wte"] if self.first else self.lm_head
+    def block(self, i):
+        block = TP.parallel_block(M.build_unit(self.config, i, self.seed), self.group, self.sp, self.moe)
+        if self.ring is not None:  # model.py's attend() hook, as context_parallel.use_ring
+            block.attn.attend = partial(CP.ATTENTION[self.attention], ring=self.ring)
+        return block
 
-    def tied(self):
-        """This stage's copy of the tied matrix (its tp slice), None in the middle."""
-        return self.head().weight if self.first or self.last else None
+    def embedding(self):
+        emb = M.build_unit(self.config, "embed", self.seed)
+        return TP.VocabParallelEmbedding(emb.wte, self.group, self.sp), emb.wpe
 
-    def forward(self, x, targets=None, chunk=None):
-        """Token ids (b, s) on the first stage, else the previous stage's (s, b, h) (with
-        sequence parallelism (s/tp, b, h)); -> the same for the next stage, or the loss."""
-        t, g, sp, chunk = self.transformer, self.group, self.sp, next(iter(self.chunks)) if chunk is None else chunk
-        if chunk == 0 or chunk == self.n_chunks - 1:
-            self.gather("ends")
-        if chunk == 0 and self.pos is None:
-            x = TP.embed_forward(t["wte"], t["wpe"], x, g, sp, self.config.dropout, self.training)
-        elif chunk == 0:  # a cp rank's positions: the GLOBAL ones, as context_parallel.forward
-            x = F.dropout(t["wte"](x.t()) + t["wpe"](self.pos)[:, None], self.config.dropout, self.training)
-        if chunk == 0:
-            x = self.done("ends", x)
-        for i in self.chunks[chunk]:
-            self.gather(i)
-            x = self.done(i, M.recompute_block(partial(TP.block_forward, t["h"][str(i)]), x, self.recompute))
-        if chunk != self.n_chunks - 1:
-            return x
-        self.gather("head")
-        return TP.head_forward(t["ln_f"], self.head(), x, targets, g, sp)
+    def head(self, wte):
+        return wte if wte is not None else TP.VocabParallelEmbedding(
+            M.build_unit(self.config, "embed", self.seed).wte, self.group, self.sp)
 
-    def units(self):
-        """[(key, [(name, parameter)])]: the stage's ends (if any), then each block, a
-        mixture's experts left out (expert_parallel.named_experts)."""
-        named = [(n, p) for n, p in self.named_parameters() if not hasattr(p, "ep_index")]
-        ends = [(n, p) for n, p in named if not n.startswith("transformer.h.")]
-        blocks = [(int(i), [(n, p) for n, p in named if n.startswith(f"transformer.h.{i}.")])
-                  for i in self.transformer["h"]]
-        return ([("ends", ends)] if ends else []) + blocks
+    def embed(self, stage, x):
+        t, dropout = stage.transformer, self.config.dropout
+        if self.pos is None:
+            return TP.embed_forward(t["wte"], t["wpe"], x, self.group, self.sp, dropout, stage.training)
+        # a cp rank's positions: the GLOBAL ones, as context_parallel.forward
+        return F.dropout(t["wte"](x.t()) + t["wpe"](self.pos)[:, None], dropout, stage.training)
 
+    def run_block(self, block, x):
+        return TP.block_forward(block, x)
 
-class Executor(PP.Executor):
-    """pipeline_parallel's executor, which also arms gradient hooks (`armed`: dp_replicate's
-    buckets, dp_shard's ShardComm; each has a `sync`) for the last micro-batch's weight
-    gradients only (its backward, or its W under --schedule=zb): the gradients are complete
-    then, and each message starts as soon as its gradients are (ddp.py's overlap); earlier
-    micro-batches only accumulate."""
+    def loss(self, stage, x, targets):
+        return TP.head_forward(stage.transformer["ln_f"], stage.lm_head, x, targets, self.group, self.sp)
 
-    def __init__(self, *args, armed=(), **kwargs):
-        super().__init__(*args, **kwargs)
-        self.armed = [x for x in armed if x is not None]
-
-    def backward(self, a, *args):
-        for x in self.armed:
-            x.sync = a.micro == self.n_micro - 1
-        super().backward(a, *args)
-
-    def weight_grad(self, a, *args):
-        for x in self.armed:
-            x.sync = a.micro == self.n_micro - 1
-        super().weight_grad(a, *args)
-
-    def defer_weight_grads(self):  # --schedule=zb: f and g as in tensor_parallel.py, the matmul's dW to W
-        for mod in self.stage.transformer["h"].modules():
+    def deferred(self, executor, mod):  # --schedule=zb: f and g as in tensor_parallel.py, the matmul's dW to W
+        if isinstance(mod, (TP.ColumnParallelLinear, TP.RowParallelLinear)):
+            slot, w, b = executor.defer(mod.weight), mod.weight, mod.bias
             if isinstance(mod, TP.ColumnParallelLinear):
-                slot = self.defer(mod.weight)
-                mod.forward = lambda x, mod=mod, slot=slot: PP.deferred_linear(self, mod.f(x, mod.group), mod.weight,
-                                                                               mod.bias, slot)
-            elif isinstance(mod, TP.RowParallelLinear):
-                slot = self.defer(mod.weight)
-                mod.forward = lambda x, mod=mod, slot=slot: mod.g(PP.deferred_linear(self, x, mod.weight, None, slot),
-                                                                  mod.group) + (0 if mod.bias is None else mod.bias)
+                return lambda x: PP.deferred_linear(executor, mod.f(x, mod.group), w, b, slot)
+            return lambda x: mod.g(PP.deferred_linear(executor, x, w, None, slot), mod.group) + (0 if b is None else b)
+
+
+def stage_units(stage):
+    """[(key, [(name, parameter)])]: the stage's ends (if any), then each block, a mixture's
+    experts left out (expert_parallel.named_experts): fsdp's units."""
+    named = [(n, p) for n, p in stage.named_parameters() if not hasattr(p, "ep_index")]
+    ends = [(n, p) for n, p in named if not n.startswith("transformer.h.")]
+    blocks = [(int(i), [(n, p) for n, p in named if n.startswith(f"transformer.h.{i}.")])
+              for i in stage.transformer["h"]]
+    return ([("ends", ends)] if ends else []) + blocks
+
 
 # -----------------------------------------------------------------------------
-# dp_shard: a stage's units sharded over the shard group (fsdp.py's ZeRO, on module parameters)
+# dp_shard: a stage's units sharded over the shard group (fsdp.py's Unit, Gathers, GradReduces)
 
 
-def gather_once(u):
-    """A unit's full weights, unless it holds them already (a pipeline's ZeRO-3 keeps them to the step's end)."""
-    if not u.full[0].untyped_storage().nbytes():
-        u.gather()
-
-
-class Handoff(torch.autograd.Function):
-    """The activation between two units, unchanged; its gradient, on its way back, is where
-    the later unit's backward is over (it needs its weights no more) and the earlier one's
-    begins: ShardComm.handoff frees the one and gathers the other."""
-
-    @staticmethod
-    def forward(ctx, x, comm, j):
-        ctx.comm, ctx.j = comm, j
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        ctx.comm.handoff(ctx.j)
-        return grad, None, None
-
-
-class ShardComm:
-    """The dp_shard axis' messages in a step. ZeRO-3 gathers each unit just before it
-    computes (gather(key), the stage's hook). In a pipeline (reshard False) it keeps it to the
+def shard_hooks(dp, stage, reshard):
+    """The stage's ZeRO-3 hooks, on fsdp.Gathers (dp.gathers: one pass's, made per pass). gather(key):
+    before unit `key` computes ("ends"; "head": the ends again; a block's index), its all-gather
+    waited for and the next ones issued. In a pipeline (reshard False) a unit is kept to the
     step's end (torchtitan's reshard_after_forward=False: every micro-batch's forward and
-    backward reuse one gather). With one micro-batch and no pipeline (reshard True) it frees
-    each unit after its forward (done(key, x), the stage's other hook) and gathers it again
-    before its backward (Handoff), as fsdp.py does: two all-gathers a step, and at most one
-    unit's full weights at once (two with overlap's prefetch). The ends are gathered twice
-    in forward (embedding, head) and not in backward: the head's backward runs first, and the
-    embedding's needs no weights. Every unit's gradient
-    is reduce-scattered once a step (reduce_scatter). overlap (--overlap): the next unit's
-    all-gather, in its chunk's order (an interleaved stage's next chunk runs after other work:
-    its weights would only be held longer), is issued as one is taken, to travel while it
-    computes; and a unit's reduce-scatter is issued as soon as its gradient is complete, the
-    last micro-batch's backward having reached each of its parameters (the Executor sets
-    `sync` for that micro-batch, as for ddp.py's buckets), then waited for in
-    reduce_gradients. `early`: the units that may go then; not those whose gradients change
-    after backward (the tied ends: the tie's sum; all under sequence parallelism: tp's sum of
-    the replicas). waits: (start, end) of each wait on the axis' messages in the step, read
-    by exposed_ms() after it (an instrument: on a GPU, reading them waits for the device)."""
+    backward reuse one gather). With one micro-batch and no pipeline (reshard) done(key, x)
+    frees it after its forward, and a Handoff on x gathers it again before its backward (the
+    embedding's needs no weights), as fsdp.py does: two all-gathers a step."""
+    unit = lambda key: dp.by_key["ends" if key == "head" else key]  # noqa: E731
 
-    def __init__(self, keyed, overlap, early, order, reshard=False):
-        self.units, self.overlap, self.next, self.reshard = dict(keyed), overlap, {}, reshard
-        for keys in order:  # per chunk, its units in the order they compute: prefetch stays inside a chunk
-            for key, after in zip(keys, keys[1:]):
-                self.next.setdefault(key, after)
-        self.forward_order = order[0] + ["head"] if reshard else []  # one chunk: the ends, the blocks, the head
-        self.sync, self.waits, self.gathering, self.reducing, self.seen, self.sent = False, [], {}, None, {}, set()
-        for u in early if overlap else []:
-            for p in u.params:
-                p.register_post_accumulate_grad_hook(partial(self._accumulated, u))
-
-    @torch.compiler.disable  # under --compile: messages and a clock, run as they are between the graphs
-    def gather(self, key, ahead="next"):  # ahead: the unit to prefetch (None: none), forward's next by default
-        u = self.unit(key)
-        self._start(u)
-        t0 = M.now(u.full[0].device)
-        for h in self.gathering.pop(u, []):
-            h.wait()
-        self.waits.append((t0, M.now(u.full[0].device)))
-        ahead = self.next.get(key) if ahead == "next" else ahead
-        if self.overlap and ahead is not None:
-            self._start(self.unit(ahead))  # travels while u computes
-
-    def unit(self, key):
-        return self.units["ends" if key == "head" else key]
+    @torch.compiler.disable  # under --compile: messages, run as they are between the graphs
+    def gather(key):
+        dp.gathers.take(unit(key))
+        dp.gathers.prefetch()  # the next units' all-gathers travel while this one computes
 
     @torch.compiler.disable
-    def done(self, key, x):
-        """After unit `key`'s forward (reshard): its weights go; x carries the handoff back."""
-        if not self.reshard:
+    def done(key, x):
+        if not reshard:
             return x
-        self.unit(key).free()
-        return Handoff.apply(x, self, self.forward_order.index(key)) if torch.is_grad_enabled() else x
+        dp.gathers.free(unit(key))
+        if not torch.is_grad_enabled():
+            return x
+        j = dp.forward_order.index(key)
 
-    @torch.compiler.disable
-    def handoff(self, j):
-        """Backward reached the output of forward_order[j]: the unit after it is done (free),
-        forward_order[j] comes back (but the embedding, which needs no weights), and with
-        overlap the one before it is on its way."""
-        order = self.forward_order
-        self.unit(order[j + 1]).free()
-        if j > 0:
-            self.gather(order[j], ahead=order[j - 1] if j > 1 else None)
-
-    def _start(self, u):
-        if not u.full[0].untyped_storage().nbytes():
-            self.gathering[u] = u.gather(async_op=True)
-
-    def _accumulated(self, u, p):
-        if self.sync:
-            self.seen[u] = self.seen.get(u, 0) + 1
-            if self.seen[u] == len(u.params):  # u's gradient is complete: on its way now
-                # fsdp.py's order: the previous unit's reduce-scatter finished (its flat copy freed)
-                # as this one starts, and this one's .grad dropped (the flat copy is on its way),
-                # so backward ends holding one unit's gradient in flight, not two copies of all
-                self._finish()
-                self.reducing, self.sent = (u, start_reduce(u)), self.sent | {u}
-                drop_grads(u)
-
-    def _finish(self):
-        if self.reducing:
-            finish_reduce(*self.reducing)
-            self.reducing = None
-
-    def reduce_scatter(self, units):
-        """Every unit's gradient averaged over the shard group into this rank's gradient shard:
-        the one on its way waited for, the rest sent now."""
-        t0 = M.now(units[0].full[0].device)
-        self._finish()
-        for u in units:
-            if u not in self.sent:
-                finish_reduce(u, start_reduce(u))
-        self.seen, self.sent = {}, set()
-        self.waits.append((t0, M.now(units[0].full[0].device)))
-
-    def exposed_ms(self):
-        return 1000 * sum(M.elapsed(t0, t1) for t0, t1 in self.waits)
+        def then():  # backward reached key's output: the unit after it is done, key's begins
+            dp.gathers.free(unit(dp.forward_order[j + 1]))
+            if j > 0:
+                gather(key)
+        return FSDP.Handoff.apply(x, then)
+    stage.hooks(gather, done)
 
 
-def zero_grad(u):
-    """Before a step: ZeRO-1's full gradient zeroed and handed to autograd as the parameters'
-    .grad (it accumulates into them in place); ZeRO-2/3: none, autograd allocates."""
-    if u.stage == 1:
-        for g in u.full_grad:
-            g.zero_()
-        for p, view in zip(u.params, u.views(u.full_grad)):
-            p.grad = view
-
-
-def start_reduce(u):
-    """Start reduce-scattering the unit's full gradient (every micro-batch's, summed). Whatever
-    gradient autograd left ends in the flat buffer: ZeRO-1's .grad replaced by another tensor
-    (a caller's zero_grad(set_to_none=True)) is added into it, not lost."""
-    if u.stage == 1:
-        for p, view in zip(u.params, u.views(u.full_grad)):
-            if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
-                view += p.grad
-        return u.reduce_scatter(u.full_grad)
-    return u.reduce_scatter(u.flat_grads([p.grad if p.grad is not None else torch.zeros_like(p) for p in u.params]))
-
-
-def finish_reduce(u, reducing):
-    """The average over the shard group into the gradient shard; ZeRO-2/3 drop the full gradient."""
-    FSDP.add_reduced(reducing, replace=True)
-    drop_grads(u)
-
-
-def drop_grads(u):
-    if u.stage > 1:
-        for p in u.params:
-            p.grad = None
-
-
-class FullState:
-    """What model.py's checkpoints see of the sharded optimizer: its param_groups (the
-    learning rate), and a `state` keyed by the stage's full (tp-sliced) parameters (a bf16
-    part's: their fp32 copies, gather_masters), so a checkpoint holds global tensors that any
-    layout loads: unshard() fills it before a save; restore() fills it from a checkpoint, and
-    reshard() hands it to the shards."""
-
-    def __init__(self, optimizer):
-        self.optimizer, self.state = optimizer, {}
-
-    @property
-    def param_groups(self):
-        return self.optimizer.param_groups
-
-
-@torch.no_grad()
-def unshard(dp):
-    """Every unit's full weights (ZeRO-3: gathered) and Adam's moments all-gathered over the
-    shard group into full-parameter tensors, for a checkpoint (with the experts' moments, kept
-    whole). Untracked: not training traffic."""
-    optimizer, full_state = dp.optimizer, dp.full_state
-    full_state.state.update({p: optimizer.state[p] for p in dp.experts})
-    with C.untracked():
-        for u in dp.units:
-            gather_once(u)
-            gather_masters(u)
-            moments = {}
-            for m in M.MOMENTS:
-                mine = [torch.zeros_like(t) for t in u.masters]  # this rank's pieces, where they lie in the full part
-                views = dict(zip(map(id, u.params), u.views(mine)))
-                for _, piece, p, lo, hi in u.mine:
-                    views[id(p)].view(-1)[lo:hi] = optimizer.state[piece][m].reshape(-1)
-                moments[m] = [torch.empty_like(t) for t in mine]
-                for out, flat, (*_, size) in zip(moments[m], mine, u.parts):
-                    C.all_gather(out, flat[u.rank * size:(u.rank + 1) * size].clone(), group=u.group)
-            for p, *views in zip(u.master_views, *(u.views(moments[m]) for m in M.MOMENTS)):
-                full_state.state[p] = dict(zip(M.MOMENTS, views))
-
-
-@torch.no_grad()
-def reshard(units, full_state, optimizer):
-    """After restore() loaded the full parameters and their moments: each rank keeps its shard
-    of both (and the step count), as the run had them when it saved."""
-    for u in units:
-        for shard, master, (*_, size) in zip(u.shards, u.masters, u.parts):
-            shard.copy_(master[u.rank * size:(u.rank + 1) * size])
-        master_of = dict(zip(map(id, u.params), u.master_views))
-        for _, piece, p, lo, hi in u.mine:
-            state = full_state.state.get(master_of[id(p)])
-            if state:
-                optimizer.state[piece] = dict(step=state["step"].clone(), **{
-                    m: state[m].reshape(-1)[lo:hi].reshape(piece.shape).clone() for m in M.MOMENTS})
+def new_pass(dp, train):
+    """The all-gathers of one pass (a step, or one validation batch): the units in the order
+    they compute, forward (and backward's blocks with reshard), or once each in a pipeline."""
+    if dp.zero == 3:
+        units = [dp.by_key["ends" if k == "head" else k] for k in dp.forward_order]
+        if dp.reshard:
+            units += units[-2:0:-1] if train else []
+        dp.gathers = FSDP.Gathers(list(dict.fromkeys(units)) if not dp.reshard else units, dp.prefetch)
 
 
 def average(tensors, group):
@@ -552,10 +341,8 @@ def state_bytes(dp, stage):
         grads = (dp.buckets.buffers if dp.buckets else [p.grad for p in dp.params]) + [p.grad for p in dp.experts]
         return (M.tensor_bytes(dp.params + dp.experts) + M.tensor_bytes(grads)
                 + M.optimizer_state_bytes(dp.optimizer))
-    kept = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-            for t in [p for p in stage.parameters()] + [p.grad for p in stage.parameters() if p.grad is not None]
-            + [t for u in dp.units for t in u.shards + u.grads + u.full_grad]}
-    return sum(kept.values()) + M.optimizer_state_bytes(dp.optimizer)
+    params = list(stage.parameters())  # the units' (views of their full weights) and the experts
+    return FSDP.state_bytes(dp.units, dp.optimizer, params + [p.grad for p in params if p.grad is not None])
 
 # -----------------------------------------------------------------------------
 # the run
@@ -619,8 +406,8 @@ def check_flags(cfg):
     if cfg.zero_stage not in (1, 2, 3):
         M.die(f"--zero_stage takes 1, 2 or 3, not {cfg.zero_stage}")
     cfg.n_micro = cfg.n_micro or (2 * cfg.pp if cfg.pp > 1 else 1)  # a pipeline needs m >= pp to fill
-    if cfg.n_micro < 1 or cfg.bucket_mb <= 0:
-        M.die("--n_micro must be at least 1 and --bucket_mb positive")
+    if cfg.n_micro < 1 or cfg.bucket_mb <= 0 or cfg.prefetch < 0:
+        M.die("--n_micro must be at least 1, --bucket_mb positive and --prefetch at least 0")
     if cfg.cp > 1 and (cfg.sequence_parallel or cfg.dropout):
         M.die("--cp > 1 needs --sequence_parallel=False and --dropout=0: the ring holds whole sequences' "
               "chunks, and its backward recomputes the attention weights without forward's masks")
@@ -639,10 +426,9 @@ def build_stage(cfg, config, mesh, me, groups, device):
         wire = torch.bfloat16 if cfg.dtype == "bfloat16" else None  # the rows travel in the compute dtype
         make_moe = partial(EP.ExpertParallelMoE, mode=cfg.dispatch, wire_dtype=wire, group=groups["ep"], cp_group=groups["cp"],
                            aux_scale=config.aux_loss_coef / (config.n_layer * cfg.n_micro))
-    stage = Stage(config, me.pp, mesh.pp, cfg.seed, groups["tp"], cfg.sequence_parallel, PP.virtual_stages(cfg),
-                  pos, ring, make_moe, cfg.attention, cfg.schedule).to(device)
-    stage.recompute = cfg.recompute
-    return stage
+    layers = ParallelLayers(config, cfg.seed, groups["tp"], cfg.sequence_parallel, pos, ring, cfg.attention, make_moe)
+    stage = PP.Stage(config, me.pp, mesh.pp, cfg.seed, PP.virtual_stages(cfg), cfg.schedule, layers, cfg.recompute)
+    return stage.to(device), pos
 
 
 def build_data_parallel(run, cfg, mesh, me, groups, stage):
@@ -656,29 +442,28 @@ def build_data_parallel(run, cfg, mesh, me, groups, stage):
     dp.params = [p for p in stage.parameters() if not hasattr(p, "ep_index")]
     dp.replicated = TP.split_params(stage)[1]
     if dp.zero:
-        after_forward = frees_after_forward(cfg, mesh)
+        dp.reshard = frees_after_forward(cfg, mesh)
         # gathered in the compute dtype, as fsdp.py does, where the weights are freed after forward:
         # gathered in fp32, each linear's autocast copy would be saved for backward, all of them
         # alive from forward to backward. (Kept to the step's end, in a pipeline, the weights'
         # gradients accumulate over micro-batches: in fp32, so the units stay fp32 there.)
-        low = torch.bfloat16 if cfg.dtype == "bfloat16" and after_forward else torch.float32
-        keyed = [(key, FSDP.Unit(named, groups["dp_shard"], dp.zero, run.device, low, name=str(key)))
-                 for key, named in stage.units()]
-        dp.units = [u for _, u in keyed]
-        tied = stage.tied()
-        early = [] if cfg.sequence_parallel else [u for u in dp.units if all(p is not tied for p in u.params)]
-        order = [[k for k in ["ends"] * (c in (0, stage.n_chunks - 1)) + list(stage.chunks[c]) if k in dict(keyed)]
-                 for c in stage.chunks]  # each chunk's units in the order its forward takes them
+        low = torch.bfloat16 if cfg.dtype == "bfloat16" and dp.reshard else torch.float32
         dp.live = FSDP.LiveUnits()  # an instrument: the most units gathered at once in a step
-        for u in dp.units:
-            u.live = dp.live
-        dp.comm = ShardComm(keyed, cfg.overlap, early, order, after_forward)
+        dp.by_key = {key: FSDP.Unit(named, groups["dp_shard"], dp.zero, run.device, low, str(key), dp.live)
+                     for key, named in stage_units(stage)}
+        dp.units = list(dp.by_key.values())
+        tied = stage.tied()
+        # the units whose reduce-scatter may start in backward: not those whose gradients change after
+        # it (the tied ends: the tie's sum; all under sequence parallelism: tp's sum of the replicas)
+        early = [] if cfg.sequence_parallel else [u for u in dp.units if all(p is not tied for p in u.params)]
+        dp.reduces = FSDP.GradReduces(early if cfg.overlap else [])
+        dp.forward_order = [k for c in stage.chunks for k in ["ends"] * (c in (0, stage.n_chunks - 1))
+                            + list(stage.chunks[c]) if k in dp.by_key] + ["head"] * dp.reshard
+        dp.prefetch = cfg.prefetch
         if dp.zero == 3:
-            stage.gather, stage.done = dp.comm.gather, dp.comm.done  # just in time
+            shard_hooks(dp, stage, dp.reshard)
         counted = counted_once(stage, groups["tp"])
-        for u in dp.units:
-            u.mine = u.pieces()  # [(name, piece of the shard, parameter, start, stop)]
-        dp.pieces = [(name, piece, counted(p)) for u in dp.units for name, piece, p, _, _ in u.mine]
+        dp.pieces = [(name, piece, counted(p)) for u in dp.units for name, piece, p, _, _ in u.pieces()]
         dp.optimizer = M.make_optimizer([(name, p) for name, p, _ in dp.pieces] + expert_named, cfg, run.device)
     else:
         if mesh.dp_replicate > 1:
@@ -690,18 +475,10 @@ def build_data_parallel(run, cfg, mesh, me, groups, stage):
     if not dp.zero:
         M.restore(run, entries, dp.optimizer)  # both tied copies are loaded
         return dp
-    dp.full_state = FullState(dp.optimizer)  # the checkpoint holds full tensors: loaded whole, then cut
-    masters = {}  # a parameter -> its fp32 full weights, which the checkpoint holds (a bf16 part's: apart)
-    with C.untracked():
-        for u in dp.units:
-            gather_once(u) if dp.zero == 3 else u.gather()  # the full weights, to load into (or to keep)
-            u.masters = [full if full.dtype == torch.float32 else torch.empty(full.shape, device=full.device)
-                         for full in u.full]
-            gather_masters(u)
-            u.master_views = [p if p.dtype == torch.float32 else view for p, view in zip(u.params, u.views(u.masters))]
-            masters.update(zip(u.params, u.master_views))
+    dp.full_state = FSDP.FullState(dp.optimizer)  # the checkpoint holds full tensors: loaded whole, then cut
+    masters = FSDP.full_params(dp.units)  # a parameter -> its fp32 full weights (a bf16 part's: apart)
     M.restore(run, [(name, masters.get(p, p), *rest) for name, p, *rest in entries], dp.full_state)
-    reshard(dp.units, dp.full_state, dp.optimizer)
+    FSDP.reshard(dp.units, dp.full_state, dp.optimizer)
     dp.optimizer.state.update({p: dp.full_state.state[p] for p in dp.experts if p in dp.full_state.state})
     dp.full_state.state.clear()
     free_units(dp)
@@ -709,29 +486,23 @@ def build_data_parallel(run, cfg, mesh, me, groups, stage):
 
 
 def free_units(dp):
-    """ZeRO-3 at the step's end: a pipeline's units, kept from their first use (with one
-    micro-batch and no pipeline they are freed already, ShardComm), and after validation;
-    the fp32 copies of bf16 parts a checkpoint read (gather_masters)."""
+    """ZeRO-3 at the step's end: a pipeline's units, kept from their first use, and after
+    validation; the fp32 copies of bf16 parts a checkpoint read."""
     for u in dp.units:
         if dp.zero == 3:
             u.free()
-        for master, full in zip(u.masters, u.full):
-            if master is not full:
-                master.untyped_storage().resize_(0)
+        u.free_masters()
+
+
+def unshard(dp):
+    """The full weights and Adam's moments, for a checkpoint (the experts' moments, kept whole)."""
+    dp.full_state.state.update({p: dp.optimizer.state[p] for p in dp.experts})
+    FSDP.unshard(dp.units, dp.optimizer, dp.full_state)
 
 
 def frees_after_forward(cfg, mesh):
     """ZeRO-3 with one micro-batch and no pipeline frees each unit after its forward (ShardComm)."""
     return getattr(cfg, "zero_stage", 3) == 3 and mesh.pp == 1 and cfg.n_micro == 1
-
-
-def gather_masters(u):
-    """A bf16 part's fp32 full weights (what a checkpoint holds), all-gathered from the master shards."""
-    for master, full, shard in zip(u.masters, u.full, u.shards):
-        if master is not full:
-            if not master.untyped_storage().nbytes():
-                master.untyped_storage().resize_(master.numel() * master.element_size())
-            C.all_gather(master, shard, group=u.group)
 
 
 def train_step(dp, stage, executor, plan, rows, cfg, groups, me):
@@ -742,13 +513,14 @@ def train_step(dp, stage, executor, plan, rows, cfg, groups, me):
         dp.buckets.sync = not cfg.overlap
     elif dp.units:
         for u in dp.units:
-            zero_grad(u)
+            u.zero_grad()
     else:
         dp.optimizer.zero_grad(set_to_none=True)
     for p in dp.experts if dp.units or dp.buckets else []:
         p.grad = None
-    if dp.comm:
-        dp.comm.waits, dp.live.peak = [], 0
+    if dp.units:
+        new_pass(dp, train=True)
+        dp.reduces.waits, dp.live.peak = [], 0
     losses = executor.run(plan, rows)
     extra = reduce_gradients(dp, stage, cfg, groups, me)
     if dp.units:
@@ -771,9 +543,9 @@ def reduce_gradients(dp, stage, cfg, groups, me):
         C.all_reduce_flat([p.grad for p in dp.replicated], op="sum", group=groups["tp"])  # tp: replicas saw only their positions
     PP.sum_tied_grads(stage, groups["pp"])  # pp: the tie, between the two ends
     if dp.units:
-        dp.comm.reduce_scatter(dp.units)  # dp_shard: each unit's gradient into this rank's shard
+        dp.reduces.finish(dp.units)  # dp_shard: each unit's gradient into this rank's shard
         free_units(dp)
-        grads = [g for u in dp.units for g in u.grads]
+        grads = [g for u in dp.units for g in u.grad_shards()]
         average(grads, groups["cp"])  # cp: each rank saw its positions' share of the tokens
         average(grads, groups["dp_replicate"])  # dp_replicate: HSDP's all-reduce of the shards
     else:
@@ -800,7 +572,7 @@ def main(argv=None):
     groups = make_groups(rank, mesh, ep if moe else 0)
     print_mesh(groups, mesh)
     # 2. the stage: tp's pieces, the cp ring, the experts; then what the data axes keep of it
-    stage = build_stage(cfg, config, mesh, me, groups, device)
+    stage, pos = build_stage(cfg, config, mesh, me, groups, device)
     dp = build_data_parallel(run, cfg, mesh, me, groups, stage)
     run.layout = dict(mesh._asdict(), zero_stage=cfg.zero_stage, layout=cfg.layout, schedule=cfg.schedule,
                       n_micro=n_micro, sequence_parallel=cfg.sequence_parallel,
@@ -808,8 +580,8 @@ def main(argv=None):
     # 3. the pipeline's runtime and its schedules
     b, s = cfg.batch_size // (R * S * n_micro), config.block_size // mesh.cp
     act_shape = (s // mesh.tp if cfg.sequence_parallel else s, b, config.n_embd)
-    executor = Executor(stage, act_shape, n_micro, run.autocast, torch.compile(stage) if cfg.compile else None,
-                        groups["pp"], armed=[dp.buckets, dp.comm] if cfg.overlap else [])
+    executor = PP.Executor(stage, act_shape, n_micro, run.autocast, torch.compile(stage) if cfg.compile else None,
+                        groups["pp"], armed=[dp.buckets, dp.reduces if dp.units else None] if cfg.overlap else [])
     v = PP.virtual_stages(cfg)
     train_plan = PP.plan(cfg.schedule, mesh.pp, n_micro, me.pp, v)
     eval_plan = PP.plan(cfg.schedule, mesh.pp, n_micro, me.pp, v, train=False)
@@ -829,7 +601,7 @@ def main(argv=None):
     def rows(step, split):  # this data rank's rows of the global batch, its cp positions, in micro-batches
         batch = partial(M.batch, run, step, split, n_micro=n_micro, dp_rank=me.dp_replicate * S + me.dp_shard,
                         dp_size=R * S)
-        return batch if stage.pos is None else lambda k: tuple(t[:, stage.pos] for t in batch(k))
+        return batch if pos is None else lambda k: tuple(t[:, pos] for t in batch(k))
 
     @torch.no_grad()
     def evaluate():
@@ -837,6 +609,8 @@ def main(argv=None):
         losses = []
         with C.untracked():  # bookkeeping, not training traffic
             for k in range(cfg.eval_iters):
+                if dp.units and (k == 0 or dp.reshard):  # a pipeline keeps its units to the end
+                    new_pass(dp, train=False)
                 losses += executor.run(eval_plan, rows(k, "val"), train=False)
             free_units(dp)
             loss = torch.stack(losses).mean() if stage.last else torch.zeros((), device=device)
@@ -852,8 +626,9 @@ def main(argv=None):
         losses, norm = train_step(dp, stage, executor, train_plan, rows(it, "train"), cfg, groups, me)
         # ---------------------------------------------------------------- end of the training step
         state = state_bytes(dp, stage)
-        exposed = dict(exposed_shard_ms=dp.comm.exposed_ms(),  # waited on dp_shard, this step
-                       max_gathered_units=dp.live.peak) if dp.comm else {}  # as fsdp.py logs it
+        waits = dp.reduces.waits + (dp.gathers.waits if dp.zero == 3 else []) if dp.units else []
+        exposed = dict(exposed_shard_ms=1000 * sum(M.elapsed(t0, t1) for t0, t1 in waits),  # waited on dp_shard
+                       max_gathered_units=dp.live.peak) if dp.units else {}  # as fsdp.py logs it
         if dp.units and M.checkpoint_due(cfg, it + 1):
             unshard(dp)  # the full weights and moments, for end_iter's checkpoint
         logged = moe_stats(run, stage, me, groups["ep"], cfg.dispatch) if moe else {}
@@ -1042,46 +817,12 @@ def group_bytes(op, n, nbytes):
 
 
 def axis_bytes(config, cfg, mesh, stage=None, routed=None):
-    """{axis: bytes per step}. stage=None: sent by every rank of the world on that axis;
-    stage=k: sent by the ranks of one group of the axis that a rank of stage k is in (its
-    tp, cp and data groups live on stage k; its pp group spans the stages). routed: the rows
-    that group's ep ranks dispatched to each other (axis_messages; stage=None: every group's).
-
-    What each axis sends per step (per group, summed over its ranks; collectives.py's ring
-    and tree all-reduces both send 2(N-1)·S in all; B the global batch, m = --n_micro,
-    b = B/(R·S·m), s the sequence a cp rank holds (block_size/cp), h the width, V the
-    vocabulary, L_k the blocks of stage k, d the compute dtype's bytes, Ψ_k the elements a
-    rank of stage k holds (stage_params), P_k the same in ZeRO units padded to S·⌈n/S⌉):
-      tp (stage k)  m · (4·L_k + [first] + [last]) all-reduces of b·s·h (d; the embedding's 4;
-                    a MoE block 2, its experts not tp-split;
-                    --recompute=full: + L_k, the rerun's first g; sequence parallel: + 1.5·L_k),
-                    + [last] m·3 all-reduces of b·s floats (the loss) + 1 float (the norm)
-                    (--sequence_parallel: each all-reduce a reduce-scatter + all-gather, the
-                    same bytes, + the replicated parameters' gradients once)
-      cp (stage k)  m·L_k·cp·(cp-1) hops of K, V (2·b·s·h/tp, d bytes) forward, as many
-                    backward (and as many again for --recompute=full's rerun), as many of dK,
-                    dV (4 bytes) (--attention=ulysses instead: 4·m·L_k·cp·(cp-1) pieces of
-                    b·s·h/(tp·cp), d bytes, forward (q, k, v, out), as many backward, and
-                    again for the rerun); + one all-reduce of the gradients
-                    the rank holds (Ψ_k floats, or its P_k/S under dp_shard)
-      dp_shard      (S-1)·4P_k for the all-gather of the stage's units (twice under ZeRO-3
-                    with pp = 1 and m = 1: forward, and again before backward, as fsdp.py's
-                    traffic_per_rank counts; in bf16 there the blocks' linear layers in 2
-                    bytes, each part padded apart: unit_parts), as much for the reduce-scatter
-                    of their gradients (4 bytes), + 1 float (the norm)
-      dp_replicate  one all-reduce of the gradients the rank holds, float32 (Ψ_k or P_k/S)
-      pp            2·(pp·v-1)·m activations of b·s·h floats (b·s·h/tp with sequence parallel:
-                    each tp rank sends its own positions), + 2·V/tp·h floats (the tie) + 1 float;
-                    ZB-V: 2·(2pp-2)·m (its chunks pp-1 and pp share a rank) and no tie (rank 0
-                    holds both ends)
-      ep (stage k)  m·L_k MoE layers' exchanges (axis_messages), + 1 float (the norm)
-      ep_dp         one all-reduce of the experts' gradients the rank holds, X_k = expert_params
-                    floats (and one more on dp_replicate)
-    bench/plan_cluster.py uses this same function to predict the step time of a layout on a
-    cluster. Without --sequence_parallel every tp rank sends the whole activation across a
-    boundary: tp copies of the same bytes (Megatron's scatter/gather optimisation sends 1/tp
-    and all-gathers after); with it, each sends only its own positions.
-    """
+    """{axis: bytes per step}, summed over axis_messages(). stage=None: sent by every rank of
+    the world on that axis; stage=k: sent by the ranks of one group of the axis that a rank of
+    stage k is in (its tp, cp and data groups live on stage k; its pp group spans the stages).
+    routed: the rows that group's ep ranks dispatched to each other (stage=None: every
+    group's). Each axis' formula: docs/formulas.md; bench/plan_cluster.py uses
+    this same function to predict the step time of a layout on a cluster."""
     world = world_of(mesh)
     out = dict.fromkeys(axes(config), 0)
     for msg in axis_messages(config, cfg, mesh, routed):

@@ -281,34 +281,76 @@ def stage_layers(n_layer, n_chunks, chunk):
     return range(start, start + q + (chunk < r))
 
 
+class Whole:
+    """How a Stage builds and runs its pieces: whole, as model.py does. parallel_nd.py passes its
+    own (tensor parallel's blocks, embedding and head, context parallel's attention, expert
+    parallel's layer), with the same methods."""
+
+    def __init__(self, config, seed):
+        self.config, self.seed = config, seed
+
+    def block(self, i):
+        return M.build_unit(self.config, i, self.seed)
+
+    def embedding(self):
+        emb = M.build_unit(self.config, "embed", self.seed)
+        return emb.wte, emb.wpe
+
+    def head(self, wte):
+        """The last stage's head: the first stage's matrix (one stage: one matrix, two uses, as in
+        GPT), or its own copy of the same init. The two copies stay equal because their
+        gradients are summed before every step (sum_tied_grads), and AdamW then does the same
+        to both."""
+        head = nn.Linear(self.config.n_embd, self.config.vocab_size, bias=False, device="meta")
+        head.weight = wte.weight if wte is not None else \
+            nn.Parameter(M.build_unit(self.config, "embed", self.seed).wte.weight.detach())
+        return head
+
+    def embed(self, stage, x):
+        return M.embed(stage.transformer.wte, stage.transformer.wpe, x, self.config.dropout, stage.training)
+
+    def run_block(self, block, x):
+        return block(x)
+
+    def loss(self, stage, x, targets):
+        return M.head(stage.transformer.ln_f, stage.lm_head.weight, x, targets)[1]
+
+    def deferred(self, executor, module):
+        """A forward for `module` through deferred_linear (zb, zbv: the W store), or None."""
+        if isinstance(module, nn.Linear):
+            slot = executor.defer(module.weight)
+            return lambda x: deferred_linear(executor, x, module.weight, module.bias, slot)
+
+
 class Stage(nn.Module):
     """One rank's chunks of the GPT (r, r+p, ... of p·v; ZB-V: r and 2p-1-r), under the GPT's own
     parameter names, so that its state_dict is a piece of GPT(config).state_dict() and the
     pieces of all ranks make the whole, whatever p and v. Every unit is built from the same
-    seed as model.py builds it. The rank with the first chunk holds the embedding, the one
-    with the last chunk the head (ZB-V: both on rank 0)."""
+    seed as model.py builds it, by `layers` (Whole; parallel_nd.py's: tensor parallel's). The
+    rank with the first chunk holds the embedding, the one with the last chunk the head (ZB-V:
+    both on rank 0). hooks(before, after): before(unit) is called before a unit ("ends",
+    "head": the ends again, or a block's index) computes, after(unit, x) on its output, which
+    it returns: parallel_nd.py's ZeRO-3 gathers and frees there."""
 
-    def __init__(self, config, stage, n_stages, seed, n_virtual=1, schedule=None):
+    def __init__(self, config, stage, n_stages, seed, n_virtual=1, schedule=None, layers=None, recompute="none"):
         super().__init__()
+        self.layers = layers or Whole(config, seed)
         self.n_chunks = n_stages * n_virtual
-        self.recompute = "none"  # --recompute: what each block keeps for backward (model.recompute_block)
+        self.recompute = recompute  # --recompute: what each block keeps for backward (model.recompute_block)
+        self.before, self.after = lambda unit: None, lambda unit, x: x
         self.chunks = {c: stage_layers(config.n_layer, self.n_chunks, c)
                        for c in chunks_of(schedule, n_stages, stage, n_virtual)}
         self.config, self.first, self.last = config, 0 in self.chunks, self.n_chunks - 1 in self.chunks
-        self.transformer = nn.ModuleDict(dict(h=nn.ModuleDict({str(i): M.build_unit(config, i, seed)
+        self.transformer = nn.ModuleDict(dict(h=nn.ModuleDict({str(i): self.layers.block(i)
                                                                for c in self.chunks for i in self.chunks[c]})))
         if self.first:
-            emb = M.build_unit(config, "embed", seed)
-            self.transformer["wte"], self.transformer["wpe"] = emb.wte, emb.wpe
+            self.transformer["wte"], self.transformer["wpe"] = self.layers.embedding()
         if self.last:
             self.transformer["ln_f"] = M.build_unit(config, "ln_f", seed)
-            self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False, device="meta")
-            # the tie. One stage: one matrix, two uses, as in GPT. Several: the last
-            # stage cannot use the first stage's matrix, so it holds its own copy of the
-            # same init; the two copies stay equal because their gradients are summed
-            # before every step (sum_tied_grads), and AdamW then does the same to both
-            self.lm_head.weight = self.transformer["wte"].weight if self.first else \
-                nn.Parameter(M.build_unit(config, "embed", seed).wte.weight.detach())
+            self.lm_head = self.layers.head(self.transformer["wte"] if self.first else None)
+
+    def hooks(self, before, after):
+        self.before, self.after = before, after
 
     def tied(self):
         """This stage's copy of the tied embedding/head matrix, None in the middle."""
@@ -318,11 +360,17 @@ class Stage(nn.Module):
         """Token ids into chunk 0, else the previous chunk's activation. Returns the
         activation for the next chunk, or out of the last chunk the mean loss."""
         t, chunk = self.transformer, next(iter(self.chunks)) if chunk is None else chunk
+        if chunk == 0 or chunk == self.n_chunks - 1:
+            self.before("ends")
         if chunk == 0:
-            x = M.embed(t.wte, t.wpe, x, self.config.dropout, self.training)
+            x = self.after("ends", self.layers.embed(self, x))
         for i in self.chunks[chunk]:
-            x = M.recompute_block(t.h[str(i)], x, self.recompute)
-        return M.head(t.ln_f, self.lm_head.weight, x, targets)[1] if chunk == self.n_chunks - 1 else x
+            self.before(i)
+            x = self.after(i, M.recompute_block(partial(self.layers.run_block, t.h[str(i)]), x, self.recompute))
+        if chunk != self.n_chunks - 1:
+            return x
+        self.before("head")
+        return self.layers.loss(self, x, targets)
 
 
 def checkpoint_entries(stage, write=True):
@@ -342,16 +390,11 @@ def checkpoint_entries(stage, write=True):
 # -----------------------------------------------------------------------------
 # the W store: B computes the input's gradient only, W the weights' later
 #
-# A block's backward is mostly matmuls, two per linear layer y = x Wᵀ + b: the input's
-# gradient dx = dY W, which the previous chunk waits for, and the weight's dW = dYᵀ x, which
-# nobody waits for. When a schedule splits them (zb, zbv), each linear of the stage's blocks
-# computes through DeferredLinear: its backward (B) returns dx and the bias's gradient and
-# leaves (W, x, dY) in the micro-batch's store; W multiplies them out. B + W is then one
-# backward's work, walked once: a rerun of --recompute=full serves both. The store holds,
-# between B and W, each linear's input and its output's gradient: 7h + 9h numbers a token a
-# layer (c_attn h and 3h, attention's c_proj h and h, c_fc h and 4h, the MLP's c_proj 4h and h),
-# counted in act_bytes (w_store_bytes). The norms, biases, embedding and head keep their
-# gradients in B.
+# A linear layer's backward is two matmuls: the input's gradient dx = dY W, which the previous
+# chunk waits for, and the weight's dW = dYᵀ x, which nobody waits for. When a schedule splits
+# them (zb, zbv), each linear of the stage's blocks computes through DeferredLinear: B returns
+# dx (and the bias's gradient) and leaves (W, x, dY) in the micro-batch's store; W multiplies
+# them out. Between B and W the store holds 7h + 9h numbers a token a layer (w_store_bytes).
 
 
 class DeferredLinear(torch.autograd.Function):
@@ -447,8 +490,9 @@ class Executor:
     After run(): peak_held, the most (chunk, micro-batch) activations held at once (forward
     done, weights' gradient not yet), and peak_bytes, the most bytes autograd held for them."""
 
-    def __init__(self, stage, act_shape, n_micro, autocast=nullcontext(), model=None, group=None):
+    def __init__(self, stage, act_shape, n_micro, autocast=nullcontext(), model=None, group=None, armed=()):
         self.stage, self.autocast, self.group = stage, autocast, group
+        self.armed = [x for x in armed if x is not None]
         self.model = stage if model is None else model  # not `model or stage`: a compiled module has no truth value
         self.act_shape, self.n_micro, self.ranks = act_shape, n_micro, C.group_ranks(group)
         self.params = list(stage.parameters())
@@ -482,13 +526,12 @@ class Executor:
         return self.losses
 
     def defer_weight_grads(self):
-        """Route each linear layer of the stage's blocks through deferred_linear (zb, zbv). A
-        stage whose blocks hold other linear layers (tensor parallel's) overrides this."""
-        for linear in self.stage.transformer["h"].modules():
-            if isinstance(linear, nn.Linear):
-                slot = self.defer(linear.weight)
-                linear.forward = lambda x, linear=linear, slot=slot: deferred_linear(self, x, linear.weight,
-                                                                                    linear.bias, slot)
+        """Route each linear layer of the stage's blocks through deferred_linear (zb, zbv), as
+        the stage's layers say (Whole.deferred)."""
+        for module in self.stage.transformer["h"].modules():
+            forward = self.stage.layers.deferred(self, module)
+            if forward is not None:
+                module.forward = forward
 
     def defer(self, weight):
         """-> the slot by which B's store names `weight` (an int: the compiled graph holds it as a constant)"""
@@ -536,6 +579,7 @@ class Executor:
         """The whole backward, or with W split off (zb, zbv) B: the same walk, but the blocks'
         linears leave their weights' gradients in the micro-batch's store."""
         c, k = a.chunk, a.micro
+        self.arm(a)
         inp, out, _, store = self.held.pop((c, k))
         grad = None if c == self.stage.n_chunks - 1 else self.mail.pop(Message("grad", c + 1, k))
         global _backward
@@ -550,7 +594,16 @@ class Executor:
             self.held[c, k] = (None, None, store_bytes(store) if self.count_saved else 0, store)
             self.count_held()
 
+    def arm(self, a):
+        """`armed`: data parallel's gradient messages (ddp.GradBuckets, fsdp.GradReduces), each with
+        a `sync`, set for the last micro-batch's weight gradients only (its backward, or its W):
+        the gradients are complete then, and each message starts as soon as its gradients are
+        (ddp.py's overlap); earlier micro-batches only accumulate."""
+        for x in self.armed:
+            x.sync = a.micro == self.n_micro - 1
+
     def weight_grad(self, a, batch=None, train=True):
+        self.arm(a)
         store = self.held.pop((a.chunk, a.micro))[3]
         weight_grads(store)
         store.clear()  # its tensors go now (self.store may still name it)
@@ -573,13 +626,10 @@ def sum_tied_grads(stage, group=None):
     matrix with half its gradient: the embedding's use on the first, the head's on the
     last. The true gradient is the sum; both copies take it, so the same AdamW step
     keeps them equal. The two ends swap their halves (one C.sendrecv, V·h each way) and
-    add: g_first + g_last on one end, g_last + g_first on the other, the same bits.
-
-    Why a swap, not an all_reduce over a group of the two ends: that group would have to
-    be created by every rank of the world, in the same order (dist.new_group), and before
-    torch 2.5 NCCL built its communicator lazily on the members and eagerly on the others,
-    so a pipeline of 3+ stages hung in the creation. The swap needs no group but the
-    pipeline's own, and sends the same bytes (an all_reduce of S at N=2 sends S per rank)."""
+    add: g_first + g_last on one end, g_last + g_first on the other, the same bits. A swap,
+    not an all_reduce over a group of the two ends: that group would have to be created by
+    every rank of the world (before torch 2.5 NCCL hung there with 3+ stages); the swap needs
+    no group but the pipeline's, and sends the same bytes."""
     ranks = C.group_ranks(group)
     if stage.tied() is None or (stage.first and stage.last):
         return  # one stage, or ZB-V's rank 0: one matrix, whose two uses autograd already summed
@@ -664,8 +714,7 @@ def main(argv=None):
     n_micro = cfg.n_micro
     run.layout = dict(stages=n_stages, schedule=cfg.schedule) | (dict(virtual_stages=v) if v > 1 else {})
 
-    stage = Stage(config, me, n_stages, cfg.seed, v, cfg.schedule).to(device)
-    stage.recompute = cfg.recompute
+    stage = Stage(config, me, n_stages, cfg.seed, v, cfg.schedule, recompute=cfg.recompute).to(device)
     params = list(stage.parameters())  # a tensor used twice (one stage: the tie) is listed once
     optimizer = M.make_optimizer(stage.named_parameters(), cfg, device)
     M.restore(run, checkpoint_entries(stage), optimizer)  # both copies of the tied matrix are loaded
@@ -913,21 +962,10 @@ def held_bytes(actions, forward, store):
 
 
 def traffic_per_rank(config, cfg, world):
-    """Bytes a rank sends per step, on average over the p ranks. What is sent, and in which
-    dtype under each --dtype:
-
-      message                        numbers per step                       float32  bfloat16
-      activations, their gradients   2·B·s·h across each of the p·v-1 chunk  float32  float32 (1)
-                                     boundaries (m·b·s·h each way): v = 1
-                                     but for interleaved, whose v chunks a
-                                     rank multiply the p-1 crossings by
-                                     (p·v-1)/(p-1), about v
-      the tied matrix's gradient     V·h from each of the two ends          float32  float32 (2)
-      the squared gradient norm      1 per stage, all_reduced: a tree       float32  float32
-                                     sends 2(p-1) in all
-    (1) BOUNDARY_DTYPE: the residual stream, which bf16 autocast keeps in float32.
-    (2) autocast computes in bf16 but keeps the parameters and their gradients float32.
-    So a step sends the same bytes under both."""
+    """Bytes a rank sends per step, on average over the p ranks: 2·B·s·h activations and their
+    gradients across each of the p·v-1 chunk boundaries (ZB-V: p·v-2), float32 under bf16 too
+    (BOUNDARY_DTYPE); V·h floats of the tied matrix's gradient from each end (none with ZB-V);
+    the norm's float, all-reduced (docs/formulas.md)."""
     if world == 1:
         return 0
     vee = getattr(cfg, "schedule", "1f1b") == "zbv"  # its chunks p-1 and p share a rank, and so do both ends of the tie

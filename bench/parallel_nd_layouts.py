@@ -7,9 +7,9 @@ Adam) each rank holds, on one model and batch.
     python bench/parallel_nd_layouts.py --iters 4 --zero_stage 2 --layout contiguous
     python bench/parallel_nd_layouts.py --shard_overlap      # dp_shard's exposed communication, sync vs overlapped
 
---shard_overlap: dp_shard 2 x tp 2 and pp 2 x dp_shard 2 on 4 ranks, each with --overlap=False
+--shard_overlap: dp_shard 2 x tp 2 and pp 2 x dp_shard 2 on 4 ranks, each with --overlap=False --prefetch=0
 (every all-gather waited for where it is issued, every reduce-scatter after the last backward)
-and --overlap=True (the next unit's all-gather issued while one computes, each unit's
+and --overlap=True --prefetch=1 (the next unit's all-gather issued while one computes, each unit's
 reduce-scatter as its gradient completes), in one start of the ranks: the milliseconds a step
 each rank waited on dp_shard's messages (the log's exposed_shard_ms, the most of any rank),
 ms/step, and whether the two runs' losses are the same.
@@ -113,7 +113,7 @@ def shard_overlap(args):
         base = ["--model=bench8", f"--data_dir={data}", f"--batch_size={args.batch_size}", f"--max_iters={args.iters}",
                 "--eval_interval=0", "--log_interval=0", "--dtype=float32", f"--zero_stage={args.zero_stage}",
                 "--dp_replicate=1"]
-        runs = [((name, overlap), base + flags + [f"--overlap={overlap}"])
+        runs = [((name, overlap), base + flags + [f"--overlap={overlap}", f"--prefetch={int(overlap)}"])
                 for name, flags in layouts.items() for overlap in (False, True)]
         results = spawn(_child, 4, runs, timeout=args.timeout)[0]
     print(f"4 CPU ranks over gloo, {SHAPE}, batch {args.batch_size}, ZeRO-{args.zero_stage}; medians of iterations "

@@ -149,7 +149,7 @@ def _run_all(rank, world, train_args, out, shared):
     if world == 2:
         run("quick", mesh_flags(1, 1, 2) + THREE, save=True)
         run("zbv", mesh_flags(2, 1, 1, 1, 1, "--schedule=zbv") + THREE, save=True)
-        run("sync", mesh_flags(1, 1, 2, 1, 1, "--overlap=False") + THREE, save=True)
+        run("sync", mesh_flags(1, 1, 2, 1, 1, "--overlap=False", "--prefetch=0") + THREE, save=True)
     return results if rank == 0 else None
 
 
@@ -229,8 +229,8 @@ def check_bytes(records, argv):
     assert records[-1]["state_bytes"] == state, (mesh, records[-1]["state_bytes"], state)
     if mesh.dp_shard > 1 and cfg.zero_stage == 3 and mesh.pp == 1 and cfg.n_micro == 1:
         # ZeRO-3 with one micro-batch frees each unit after forward, as fsdp.py: at the step's peak the
-        # state above plus fsdp's 1 + prefetch gathered units (--overlap prefetches one), not the stage's all
-        assert all(r["max_gathered_units"] == [1 + cfg.overlap] * world for r in records), mesh
+        # state above plus fsdp's 1 + prefetch gathered units (--prefetch, fsdp.py's flag), not the stage's all
+        assert all(r["max_gathered_units"] == [1 + cfg.prefetch] * world for r in records), mesh
 
 
 def check_run(result, ref):
@@ -319,7 +319,7 @@ def test_zbv_at_2_ranks(runs, reference_short):
 
 
 def test_dp_shard_synchronous_at_2_ranks(runs, reference_short):
-    """ZeRO-3 without --overlap: each unit gathered when it computes, freed after its forward and
+    """ZeRO-3 without --overlap and --prefetch: each unit gathered when it computes, freed after its forward and
     its backward, so one unit's full weights at most (check_bytes), fsdp.py --prefetch=0's peak."""
     check_run(runs(2)["sync"], reference_short)
 
