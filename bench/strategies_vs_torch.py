@@ -10,7 +10,7 @@ step and the ms/step ratio.
     torchrun --nproc_per_node=2 bench/strategies_vs_torch.py --data_dir=data/shakespeare --model=small
 
   pair      ours                                PyTorch's
-  ddp       ddp.py (--mode=overlap)             torch.nn.parallel.DistributedDataParallel
+  ddp       ddp.py (--overlap=True)             torch.nn.parallel.DistributedDataParallel
   fsdp      fsdp.py (ZeRO-3, --prefetch=1)      FSDP2: fully_shard on each block, then the root
   tensor    tensor_parallel.py                  DTensor: parallelize_module, Colwise/RowwiseParallel,
                                                 the vocabulary split (embedding and tied head) and loss_parallel
