@@ -18,10 +18,10 @@ backward's share of the 6N FLOPs a token. Measured here, in one 2-rank launch:
          just before that x's runs, while the other rank does the same (both share the
          machine, as in training); the predicted x* is where the two sides cross, read as below
   α, β   collectives.py's all_reduce between the 2 ranks at a few sizes, t = α + traffic/β
-  found  ddp.py --mode=bucketed at each x: its all-reduce time (the log's exposed_comm_ms:
+  found  ddp.py --overlap=False at each x: its all-reduce time (the log's exposed_comm_ms:
          bucketed hides nothing) against its backward (the trace's "backward" span); the
          threshold is where the two cross (crossing(): backward fitted as a fixed cost plus a
-         cost a token, since a CPU step pays per-op overhead at small x). --mode=overlap at each
+         cost a token, since a CPU step pays per-op overhead at small x). --overlap=True at each
          x too, for the picture: step time split into compute and exposed communication.
 
 fsdp.py (ZeRO-3) the same way, unless --no-fsdp: predicted from the same F, α, β and
@@ -37,7 +37,7 @@ running the script there; both curves read by crossing_loglog:
       less them, from its trace; F the whole model's at that width and batch
   pp  pipeline_parallel.py --schedule=1f1b at m micro-batches of 1 sequence: the log's
       idle_frac (mean over the stages) against the busy share, communication-bound above 1/2
-  cp  context_parallel.py --method=ring at c positions a rank of 1 sequence: the ring's hops
+  cp  context_parallel.py --attention=ring at c positions a rank of 1 sequence: the ring's hops
       (their spans in the trace) against the attention they overlap ((N-1)/N of attn_ms)
 
 The GPU rows apply the same threshold to data-sheet figures (plan_cluster.CLUSTERS) under the
