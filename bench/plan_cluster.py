@@ -50,6 +50,17 @@ The model:
 `eff` is the one fitted knob (--check fits it on one published table and predicts the others with it).
 Not modelled: matmul efficiency by shard size (one eff for every GEMM), the optimizer step's own time,
 contention between axes on a node's NICs, NVLink SHARP, kernel launch gaps. Compare rankings first.
+
+What --check prints, for each published table (bench/published_runs.json, each row with its
+source): per row, the published layout (dp, tp, pp) with its options where the source gives them
+(micro-batch, interleaving, recompute mode; else the planner's best for that layout) and its
+measured MFU (model FLOPs, no recomputation counted; Narayanan's teraFLOP/s, counted with their
+eq. 3 which includes recomputation, converted); the planner's best layout and its MFU; the
+published layout's rank in the planner's list and whether it is within 3% of the best step; its
+predicted MFU and error; and "free:" the options the planner chooses itself for the published
+layout (any v dividing a stage's layers, micro-batch 1 to 16), with their MFU and error. A summary
+line per table (published layouts first, within 3%, median MFU error), and ZeRO's Table 1 (model
+state per GPU) against the planner's state model. --fit_on TABLE fits eff on another table.
 """
 import argparse
 import dataclasses

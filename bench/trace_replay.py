@@ -31,6 +31,31 @@ predicts (leave one out), and predicts the 4-rank runs from all of them, the cor
 --what_if traces at a model's depth and a small width, then scales (scale()): each stretch's
 FLOPs by the model formula's ratio, DDP's and FSDP's messages by the parameter ratio, the
 others' by h x tokens. Calculated figures, never measured ones (docs/planning.md).
+
+What --check runs and prints. It traces every strategy (DDP bucketed and overlapped, FSDP, tensor
+parallel with and without sequence parallelism, the ring, the experts, the pipeline's five
+schedules at m = 8, the mesh's tp x dp) at 2 and 4 ranks of the tiny preset, five traced steps
+each (the first counts the work, the four others keep their time); fits F and op_s on the compute
+stretches, the link (alpha, beta, a call) on the collectives' times and lag_s on the 2-rank runs,
+each stretch and op the median of its four timed steps. Per run: the predicted step beside the
+measured one (the median of the timed steps, their range beside it), and the share of the step the
+ranks wait in a collective or a wait, predicted and measured (a pipeline's idle fraction with its
+message time); then the worst row at 2 and at 4 ranks, and the zero-bubble schedules at p = 4,
+m = 8 replayed with a core a stage beside simulate()'s paper figures. --json writes a record per
+run (run, strategy, ranks, predicted_ms, measured_ms, the steps, the waiting shares).
+
+What --what_if runs: each strategy traced at 8 and 16 ranks at a model's real depth and a width
+of 64 (16 heads, so that every split divides it), replayed on 8 H100s in a node and on 2 x 8 at
+plan_cluster.py's figures (989 TFLOP/s x its eff, NVLink 450 GB/s, one 400 Gb/s NIC a GPU, NCCL's
+latencies), no host cost an op, the trace's float32 bytes; for GPT-2 124M (8 sequences of 1,024 a
+GPU) and a 1.7B at Megatron-Core's shape (24 layers, h = 2,048, 4 x 4,096 tokens a GPU). The
+scaling is the model's formula, not a trace at the width: a stretch's FLOPs grow by one ratio
+whatever it holds, and the ops a stretch dispatches stay the trace's.
+
+A trace that lacks what the replay needs gets one line and exit code 2, never a figure: one
+without the work counts (an older trace, or a --compile one), one cut short (a rank without the
+step, a wait for an op never issued, a message or a collective with no partner), or one of another
+world size than the cluster's ranks.
 """
 import argparse
 import json
