@@ -16,9 +16,10 @@ The mesh. rank = (((pp_rank·R + rep_rank)·S + shard_rank)·CP + cp_rank)·TP +
 that sends the most, most often, innermost, on the fastest links (tp, then cp, dp_shard,
 dp_replicate, and pp outermost: one activation a micro-batch, to one neighbour).
 
-The lesson is everything above main(); below the fence after it: axis_bytes(), what each axis
-sends per step, which the tests hold the log to and bench/plan_cluster.py uses. The order's
-reasons, the experts' groups, ZeRO in a pipeline and the flags: docs/parallel_nd.md.
+The lesson is everything above main(); below the fences after it: the instruments (the mesh
+printed, the log's fields) and axis_bytes(), what each axis sends per step, which the tests hold
+the log to and bench/plan_cluster.py uses. The order's reasons, the experts' groups, ZeRO in a
+pipeline and the flags: docs/parallel_nd.md.
 """
 import math
 from collections import namedtuple
@@ -64,8 +65,7 @@ CREATED = AXES[::-1]  # the order every rank creates the groups in: innermost fi
 EP_AXES = ("ep", "ep_dp")  # a mixture of experts' two groups, borrowed from dp_shard x cp, made after the mesh's
 
 
-def axes(config):
-    """The axes a run logs bytes for: the mesh's, and with --n_expert the experts' two."""
+def axes(config):  # the axes a run logs bytes for: the mesh's, and with --n_expert the experts' two
     return AXES + (EP_AXES if config.n_expert else ())
 
 # -----------------------------------------------------------------------------
@@ -125,26 +125,6 @@ def make_groups(rank, mesh, ep=0):
     return {a: mine[a] for a in AXES + (EP_AXES if ep else ())}
 
 
-def print_mesh(groups, mesh):
-    """Rank 0 prints every rank's coordinates and groups, as the groups themselves report
-    them (gathered, untracked), one line a rank."""
-    me = coords(C.get_rank(), mesh)._asdict()
-    sizes = {a: len(C.group_ranks(g)) for a, g in groups.items()}
-    for axis in groups:
-        me.update({f"{axis}_{i}": r for i, r in enumerate(C.group_ranks(groups[axis]))})
-    rows = C.gather_stats(me)
-    if rows is None:
-        return
-    strides = [world_of(mesh[i + 1:]) for i in range(len(AXES))]
-    print("mesh: rank = " + " + ".join(f"{a}_rank*{s}" for a, s in zip(AXES, strides) if s > 1) + " + tp_rank")
-    for r in range(len(rows["pp"])):
-        if r == 16 and len(rows["pp"]) > 20:
-            print(f"  ... {len(rows['pp']) - 16} more")
-            break
-        group = {a: [int(rows[f"{a}_{i}"][r]) for i in range(n)] for a, n in sizes.items()}
-        print(f"  rank {r:4d} ({', '.join(AXES)}) = ({', '.join(str(int(rows[a][r])) for a in AXES)})  "
-              + "  ".join(f"{a} group {group[a]}" for a in CREATED + tuple(a for a in EP_AXES if a in group)))
-
 # -----------------------------------------------------------------------------
 # a pipeline stage made of tensor parallel pieces
 
@@ -194,8 +174,7 @@ class ParallelLayers(PP.Whole):
 
 
 def stage_units(stage):
-    """[(key, [(name, parameter)])]: the stage's ends (if any), then each block, a mixture's
-    experts left out (expert_parallel.named_experts): fsdp's units."""
+    """fsdp's units, [(key, [(name, parameter)])]: the stage's ends (if any), then each block."""
     named = [(n, p) for n, p in stage.named_parameters() if not hasattr(p, "ep_index")]
     ends = [(n, p) for n, p in named if not n.startswith("transformer.h.")]
     blocks = [(int(i), [(n, p) for n, p in named if n.startswith(f"transformer.h.{i}.")])
@@ -238,8 +217,8 @@ def shard_hooks(dp, stage, reshard):
 
 
 def new_pass(dp, train):
-    """The all-gathers of one pass (a step, or one validation batch): the units in the order
-    they compute, forward (and backward's blocks with reshard), or once each in a pipeline."""
+    """The all-gathers of one pass (a step, a validation batch): the units as they compute, or
+    once each in a pipeline."""
     if dp.zero == 3:
         units = [dp.by_key["ends" if k == "head" else k] for k in dp.forward_order]
         if dp.reshard:
@@ -268,7 +247,7 @@ def clip(dp, stage, max_norm, groups, me):
     if not max_norm:
         return 0.0
     if dp.units:
-        sq = torch.stack([p.grad.pow(2).sum() if counted else p.grad.new_zeros(()) for _, p, counted in dp.pieces]).sum()
+        sq = torch.stack([p.grad.pow(2).sum() if on else p.grad.new_zeros(()) for _, p, on in dp.pieces]).sum()
         grads, over = [p.grad for _, p, _ in dp.pieces], ("dp_shard", "tp", "pp")
     else:
         sharded, replicated = TP.split_params(stage)
@@ -282,16 +261,6 @@ def clip(dp, stage, max_norm, groups, me):
         sq, grads = sq + experts * (me.tp == me.dp_shard == 0), grads + [p.grad for p in dp.experts]
     return M.clip_by_global_norm(sq, grads, max_norm, [groups[a] for a in over])
 
-
-def state_bytes(dp, stage):
-    """Parameters, gradients and Adam's state resident on this rank, each storage counted once
-    (a shard that is a slice of the full weights is no copy; freed weights hold nothing)."""
-    if not dp.units:
-        grads = (dp.buckets.buffers if dp.buckets else [p.grad for p in dp.params]) + [p.grad for p in dp.experts]
-        return (M.tensor_bytes(dp.params + dp.experts) + M.tensor_bytes(grads)
-                + M.optimizer_state_bytes(dp.optimizer))
-    params = list(stage.parameters())  # the units' (views of their full weights) and the experts
-    return FSDP.state_bytes(dp.units, dp.optimizer, params + [p.grad for p in params if p.grad is not None])
 
 # -----------------------------------------------------------------------------
 # the run
@@ -360,8 +329,7 @@ def check_flags(cfg):
 
 
 def build_stage(cfg, config, mesh, me, groups, device):
-    """This rank's pipeline stage: its blocks cut over tp, the attention on the cp ring, a
-    mixture's MLPs expert_parallel's layer on the ep group."""
+    """This rank's pipeline stage: its blocks cut over tp, their attention on the cp ring, the experts on ep."""
     ring = CP.Ring(groups["cp"], cfg.layout) if mesh.cp > 1 else None
     pos = CP.positions(config.block_size, me.cp, mesh.cp, cfg.layout, device) if ring else None
     make_moe = None
@@ -375,11 +343,9 @@ def build_stage(cfg, config, mesh, me, groups, device):
 
 
 def build_data_parallel(run, cfg, mesh, me, groups, stage):
-    """What the data axes keep of `stage`, and its optimizer, loaded from --resume if given.
-    dp_shard: fsdp's units on this stage's tp slices, the optimizer on their shards;
-    otherwise the parameters whole, with dp_replicate's buckets (ddp.py's). A mixture's
-    experts stay whole (E/ep of each layer), out of the units and the buckets."""
-    dp = SimpleNamespace(units=[], buckets=None, comm=None, pieces=[], zero=cfg.zero_stage if mesh.dp_shard > 1 else 0)
+    """What the data axes keep of `stage`, and its optimizer, loaded from --resume if given: fsdp's
+    units, or the parameters whole with ddp's buckets. A mixture's experts stay whole, in neither."""
+    dp = SimpleNamespace(units=[], buckets=None, pieces=[], zero=cfg.zero_stage if mesh.dp_shard > 1 else 0)
     expert_named = EP.named_experts(stage)
     dp.experts = [p for _, p in expert_named]
     dp.params = [p for p in stage.parameters() if not hasattr(p, "ep_index")]
@@ -430,8 +396,7 @@ def build_data_parallel(run, cfg, mesh, me, groups, stage):
 
 
 def free_units(dp):
-    """ZeRO-3 at the step's end: a pipeline's units, kept from their first use, and after
-    validation; the fp32 copies of bf16 parts a checkpoint read."""
+    """ZeRO-3 at the step's end, and after validation: a pipeline's units; a checkpoint's fp32 copies."""
     for u in dp.units:
         if dp.zero == 3:
             u.free()
@@ -450,8 +415,7 @@ def frees_after_forward(cfg, mesh):
 
 
 def train_step(dp, stage, executor, plan, rows, cfg, groups, me):
-    """One optimizer step: the schedule's forwards and backwards, the gradients reduced over
-    every axis (reduce_gradients), the clip, the update. -> (the losses, the norm)"""
+    """One optimizer step: the schedule, the gradients reduced over every axis, the clip, the update."""
     if dp.buckets:
         dp.buckets.zero()
         dp.buckets.sync = not cfg.overlap
@@ -566,19 +530,52 @@ def main(argv=None):
             unshard(dp)  # the full weights and moments, for end_iter's checkpoint
         logged = moe_stats(run, stage, me, groups["ep"], cfg.dispatch) if moe else {}
         M.end_iter(run, loss=torch.stack(losses).mean() if losses else 0.0, grad_norm=norm, state_bytes=state,
-                   loss_ranks=last_stage, axes=groups, **formula_bytes(config, cfg, mesh, me.pp, logged.pop("routed", None)),
+                   loss_ranks=last_stage, axes=groups,
+                   **formula_bytes(config, cfg, mesh, me.pp, logged.pop("routed", None)),
                    peak_micro=executor.peak_held, act_bytes=executor.peak_bytes, **exposed, **logged)
         free_units(dp)
     if dp.units and cfg.save_path:
         unshard(dp)
     return M.finish(run)
 
+# -----------------------------------------------------------------------------
+# instruments: the mesh printed, what the log records
+
+
+def print_mesh(groups, mesh):
+    """Rank 0 prints every rank's coordinates and groups, as the groups report them, one line a rank."""
+    sizes = {a: len(C.group_ranks(g)) for a, g in groups.items()}
+    me = coords(C.get_rank(), mesh)._asdict() | {f"{a}_{i}": r for a, g in groups.items()
+                                                for i, r in enumerate(C.group_ranks(g))}
+    rows = C.gather_stats(me)
+    if rows is None:
+        return
+    strides = [world_of(mesh[i + 1:]) for i in range(len(AXES))]
+    print("mesh: rank = " + " + ".join(f"{a}_rank*{s}" for a, s in zip(AXES, strides) if s > 1) + " + tp_rank")
+    for r in range(len(rows["pp"])):
+        if r == 16 and len(rows["pp"]) > 20:
+            print(f"  ... {len(rows['pp']) - 16} more")
+            break
+        group = {a: [int(rows[f"{a}_{i}"][r]) for i in range(n)] for a, n in sizes.items()}
+        print(f"  rank {r:4d} ({', '.join(AXES)}) = ({', '.join(str(int(rows[a][r])) for a in AXES)})  "
+              + "  ".join(f"{a} group {group[a]}" for a in CREATED + tuple(a for a in EP_AXES if a in group)))
+
+
+def state_bytes(dp, stage):
+    """Parameters, gradients and Adam's state resident on this rank, each storage counted once."""
+    if not dp.units:
+        grads = (dp.buckets.buffers if dp.buckets else [p.grad for p in dp.params]) + [p.grad for p in dp.experts]
+        return (M.tensor_bytes(dp.params + dp.experts) + M.tensor_bytes(grads)
+                + M.optimizer_state_bytes(dp.optimizer))
+    params = list(stage.parameters())  # the units' (views of their full weights) and the experts
+    return FSDP.state_bytes(dp.units, dp.optimizer, params + [p.grad for p in params if p.grad is not None])
+
 
 def formula_bytes(config, cfg, mesh, stage, routed=None):
     """The log's formula_bytes_<axis>: what axis_bytes says a rank of `stage` sends on each axis
     (alltoall: the ep rows as its group routed them this step)."""
-    sizes = dict(mesh._asdict(), **({"ep": cfg.ep, "ep_dp": mesh.dp_shard * mesh.cp // cfg.ep} if config.n_expert else {}))
-    sent = axis_bytes(config, cfg, mesh, stage, routed)
+    ep = {"ep": cfg.ep, "ep_dp": mesh.dp_shard * mesh.cp // cfg.ep} if config.n_expert else {}
+    sizes, sent = dict(mesh._asdict(), **ep), axis_bytes(config, cfg, mesh, stage, routed)
     return {f"formula_bytes_{a}": sent[a] / n for a, n in sizes.items()}
 
 

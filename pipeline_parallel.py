@@ -154,18 +154,14 @@ def interleaved(p, m, r, v):
 
 
 def plan(name, p, m, r, v=1, train=True):
-    """steps() with their messages: before each step one Exchange that sends what the
-    previous step produced and receives what this one needs, from and to the ranks that hold
-    the neighbouring chunks (none for a neighbour on this rank). W needs no message: the W's
-    go before the exchange in front of a forward, and between the sends and the receive in
-    front of a backward (ZB-H1's cool-down: they fill the wait). train=False: forwards only.
-
-    Why this cannot deadlock: in 1F1B's steady state rank r must send an activation to r+1
-    while r+1 must send a gradient to r; if both sent and then received, each could wait for
-    the other's receive (NCCL's blocking send does). "Send activation + receive gradient" on
-    r and "send gradient + receive activation" on r+1, each posted together, complete at
-    once. simulate() checks every schedule: every exchange completes, and the messages
-    between two ranks match in posting order, as NCCL and gloo pair them."""
+    """steps() with their messages: before each step one Exchange that sends what the previous
+    step produced and receives what this one needs (messages()). The W's go before the exchange
+    in front of a forward, and between the sends and the receive in front of a backward (ZB-H1's
+    cool-down: they fill the wait). train=False: forwards only. Why it cannot deadlock: in 1F1B's
+    steady state r must send an activation to r+1 while r+1 sends r a gradient; each sending first
+    could wait for the other's receive (NCCL's blocking send does), but "send + receive" posted
+    together on both completes at once. simulate() checks every schedule: every exchange
+    completes, and messages between two ranks match in posting order, as NCCL and gloo pair them."""
     if name == "zbv":
         return vee_plan(p, m, r, train)
     actions, pending, weights = [], [], []
@@ -286,11 +282,10 @@ class Whole:
 
 
 class Stage(nn.Module):
-    """One rank's chunks of the GPT (chunks_of), under the GPT's own parameter names: its
-    state_dict is a piece of GPT(config).state_dict(), whatever p and v. Each unit is built from
-    model.py's seed by `layers` (Whole). The first chunk's rank holds the embedding, the last
-    chunk's the head. hooks(before, after): before(unit) before a unit ("ends", "head", a
-    block's index) computes, after(unit, x) on its output: parallel_nd.py's ZeRO-3 hooks."""
+    """One rank's chunks of the GPT (chunks_of), under the GPT's parameter names: its state_dict
+    is a piece of GPT(config).state_dict(). Each unit built from model.py's seed by `layers`
+    (Whole). hooks(before, after): before(unit) before a unit ("ends", "head", a block's index)
+    computes, after(unit, x) on its output: parallel_nd.py's ZeRO-3 gathers and frees there."""
 
     def __init__(self, config, stage, n_stages, seed, n_virtual=1, schedule=None, layers=None, recompute="none"):
         super().__init__()
