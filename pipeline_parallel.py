@@ -345,11 +345,9 @@ def checkpoint_entries(stage):
 
 
 class DeferredLinear(torch.autograd.Function):
-    """y = x Wᵀ + b, whose backward computes x's gradient and b's and leaves (param, x, dY) in
-    the store for W (input_grad), as Megatron's weight-gradient store does. `slot` names the
-    float32 parameter W adds to (Executor.defer). The weight comes detached: were it an input of
-    B's graph, autograd would run its gradient hooks in B, and data parallel's buckets, counting
-    the parameters whose gradient is complete, would send it before W had computed it."""
+    """y = x Wᵀ + b; backward: x's and b's gradients, (param, x, dY) left for W (input_grad; `slot`
+    names the param, Executor.defer). The weight comes detached: as an input of B's graph its
+    gradient hooks would run in B, and data parallel's buckets would send it before W computed it."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, slot):
@@ -470,9 +468,8 @@ class Executor:
         return len(self.deferred) - 1
 
     def exchange(self, a):
-        """send_forward, send_backward, recv_forward, recv_backward: all of an exchange posted
-        together (plan() says why), one C.sendrecv, or for interleaved's steady state (up to two
-        of each) one C.batch_sendrecv."""
+        """All of an exchange's sends and receives posted together (plan() says why): one
+        C.sendrecv, or for interleaved's steady state (up to two of each) one C.batch_sendrecv."""
         sends = [(self.mail.pop(msg), self.ranks[dst]) for msg, dst in a.sends]
         recvs = [(torch.empty(self.act_shape, dtype=BOUNDARY_DTYPE, device=self.device), self.ranks[src])
                  for _, src in a.recvs]
@@ -552,10 +549,9 @@ def exchange_name(a):
 
 def sum_tied_grads(stage, group=None):
     """The first and the last stage of the pipeline `group` each hold a copy of the tied matrix
-    with half its gradient (the embedding's use, the head's): both take the sum, so the same
-    AdamW step keeps them equal. The two ends swap halves (one C.sendrecv, V·h each way) and add,
-    the same bits on both. A swap, not an all_reduce on a group of the two ends: every rank of
-    the world would have to create that group; the swap needs only the pipeline's, same bytes."""
+    with half its gradient: both take the sum (a swap of halves, V·h each way, the same bits on
+    both), so AdamW keeps them equal. A swap, not an all_reduce on a group of the two ends: every
+    rank of the world would have to create that group; the swap needs only the pipeline's."""
     ranks = C.group_ranks(group)
     if stage.tied() is None or (stage.first and stage.last):
         return  # one stage, or ZB-V's rank 0: one matrix, whose two uses autograd already summed
@@ -794,9 +790,8 @@ def print_timeline(name, p, m, v, measured):
 
 
 def action_times(stamps, device):
-    """The stamps of one step as (start, end) in seconds of the wall clock, common to the ranks.
-    On a GPU a stamp is a CUDA event, recorded without waiting, read here once at the step's
-    end: wait for one last event, read the clock, date each event back."""
+    """The stamps of one step as (start, end) in seconds of the wall clock, common to the ranks:
+    on a GPU CUDA events, read once at the step's end (wait for one last, date each back)."""
     last = M.now(device)
     M.elapsed(last, last)  # the step's one wait for the device (end_iter would wait here anyway)
     wall = time.time()
@@ -859,9 +854,8 @@ def w_store_bytes(config, tokens, layers, dtype_bytes=4):
 
 
 def traffic_per_rank(config, cfg, world):
-    """Bytes a rank sends per step, on average over the p ranks: B·s·h float32 activations and
-    their gradients across each of the p·v-1 chunk boundaries (ZB-V: p·v-2), the tie's V·h
-    floats from each end (none with ZB-V), the norm's float (docs/formulas.md)."""
+    """Bytes a rank sends per step, on average over the p ranks: 2·B·s·h float32 across each of
+    the p·v-1 boundaries (ZB-V: p·v-2), V·h floats from each end of the tie (not ZB-V), the norm."""
     if world == 1:
         return 0
     vee = getattr(cfg, "schedule", "1f1b") == "zbv"  # its chunks p-1 and p share a rank, and so do both ends of the tie
