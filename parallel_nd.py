@@ -1,28 +1,27 @@
 """
 Every axis on one mesh: pipeline x data (replicated, and sharded) x context x tensor, on
 pp·dp_replicate·dp_shard·cp·tp ranks (Megatron-LM's "PTD-P", Narayanan et al. 2021, grown as
-torchtitan grows it). Nothing here is a new mechanism: main() assembles, axis by axis, the
-strategy files' own pieces on sub-groups of the world (as torchtitan's parallelize_llama):
-the groups of the mesh; a pipeline_parallel.Stage whose blocks are tensor_parallel's, with
-context_parallel's attention and expert_parallel's layer (--n_expert, on ep ranks borrowed
-from dp_shard x cp); then data parallelism: dp_shard, fsdp.py's units (Unit, Gathers,
-GradReduces), dp_replicate, ddp.py's GradBuckets (HSDP when both are > 1); the loop of
-pipeline_parallel's Executor.
+torchtitan grows it). Nothing here is a new mechanism: main() assembles the strategy files'
+own pieces on sub-groups of the world, axis by axis (as torchtitan's parallelize_llama): the
+groups; a pipeline_parallel.Stage of tensor_parallel's blocks, with context_parallel's
+attention and expert_parallel's layer (--n_expert, on ep ranks borrowed from dp_shard x cp);
+dp_shard, fsdp.py's units; dp_replicate, ddp.py's buckets (HSDP when both are > 1); the loop
+of pipeline_parallel's Executor.
 
     torchrun --nproc_per_node=8 parallel_nd.py --dp_replicate=2 --tp=2 --pp=2 --n_micro=4
     torchrun --nproc_per_node=8 parallel_nd.py --dp_shard=2 --tp=2 --pp=2            # FSDP x TP x PP
-    torchrun --nproc_per_node=8 parallel_nd.py --dp_replicate=2 --dp_shard=2 --tp=2  # HSDP x TP
     torchrun --nproc_per_node=8 parallel_nd.py --dp_shard=2 --cp=2 --tp=2 --n_expert=8 --ep=4  # + EP
-    torchrun --nnodes=16 --nproc_per_node=8 ... parallel_nd.py --model=gpt2-xl --pp=4   # see bench/plan_cluster.py
 
 The mesh. rank = (((pp_rank·R + rep_rank)·S + shard_rank)·CP + cp_rank)·TP + tp_rank: the axis
 that sends the most, most often, innermost, on the fastest links (tp, then cp, dp_shard,
 dp_replicate, and pp outermost: one activation a micro-batch, to one neighbour).
 
-The lesson is everything above main(); below the fence after it: axis_bytes(), what each axis
-sends per step, which the tests hold the log to and bench/plan_cluster.py uses. The order's
-reasons, the experts' groups, ZeRO in a pipeline and the flags: docs/parallel_nd.md.
+The lesson is everything above main(); below the fences after it: the instruments (the mesh
+printed, the log's fields) and axis_bytes(), what each axis sends per step, which the tests hold
+the log to and bench/plan_cluster.py uses. The order's reasons, the experts' groups, ZeRO in a
+pipeline and the flags: docs/parallel_nd.md.
 """
+import math
 from collections import namedtuple
 from functools import partial
 from types import SimpleNamespace
@@ -66,35 +65,23 @@ CREATED = AXES[::-1]  # the order every rank creates the groups in: innermost fi
 EP_AXES = ("ep", "ep_dp")  # a mixture of experts' two groups, borrowed from dp_shard x cp, made after the mesh's
 
 
-def axes(config):
-    """The axes a run logs bytes for: the mesh's, and with --n_expert the experts' two."""
+def axes(config):  # the axes a run logs bytes for: the mesh's, and with --n_expert the experts' two
     return AXES + (EP_AXES if config.n_expert else ())
 
 # -----------------------------------------------------------------------------
 # the mesh
 
 
+world_of = math.prod  # the ranks of a mesh
+
+
 def coords(rank, mesh):
-    """-> Mesh of this rank's coordinate on each axis: tp innermost, pp outermost."""
-    out = []
-    for n in reversed(mesh):
-        out.append(rank % n)
-        rank //= n
-    return Mesh(*reversed(out))
+    """-> Mesh of this rank's coordinate on each axis: tp innermost (stride 1), pp outermost."""
+    return Mesh(*(rank // world_of(mesh[i + 1:]) % n for i, n in enumerate(mesh)))
 
 
 def rank_of(c, mesh):
-    r = 0
-    for x, n in zip(c, mesh):
-        r = r * n + x
-    return r
-
-
-def world_of(mesh):
-    out = 1
-    for n in mesh:
-        out *= n
-    return out
+    return sum(x * world_of(mesh[i + 1:]) for i, x in enumerate(c))
 
 
 def mesh_groups(mesh):
@@ -108,11 +95,9 @@ def mesh_groups(mesh):
 
 
 def ep_groups(mesh, ep):
-    """The experts' groups, borrowed from the data and context axes: with j = dp_shard·cp +
-    cp_rank a rank's index in its dp_shard x cp block, "ep" is the ep ranks of one run
-    [j0, j0 + ep) (the other coordinates the same), each holding E/ep experts; "ep_dp" the
-    ranks at the same j mod ep, which hold the same experts (Megatron's expert data parallel
-    group), S·cp/ep of them."""
+    """The experts' groups, borrowed from the data and context axes: with j a rank's index in
+    its dp_shard x cp block, "ep" is a run of ep consecutive j, each holding E/ep experts; "ep_dp"
+    the ranks at the same j mod ep, which hold the same experts (Megatron's expert data parallel)."""
     out = {"ep": [], "ep_dp": []}
     n = mesh.dp_shard * mesh.cp
 
@@ -128,11 +113,9 @@ def ep_groups(mesh, ep):
 
 
 def make_groups(rank, mesh, ep=0):
-    """This rank's group on each axis (ep > 0: and the experts' two). Every rank calls
-    new_group for every group of every axis, in the same order (torch.distributed numbers
-    groups by creation; on NCCL each creation is a collective over the world). An axis of
-    size 1 still gets a group, of this rank alone: None would mean the whole world to the
-    pieces below."""
+    """This rank's group on each axis (ep > 0: and the experts' two). Every rank creates every
+    group in the same order (torch.distributed numbers groups by creation; on NCCL each is a
+    collective over the world). An axis of size 1 gets a group too: None means the world."""
     mine = {}
     for axis, groups in list(mesh_groups(mesh).items()) + (list(ep_groups(mesh, ep).items()) if ep else []):
         for ranks in groups:
@@ -142,37 +125,14 @@ def make_groups(rank, mesh, ep=0):
     return {a: mine[a] for a in AXES + (EP_AXES if ep else ())}
 
 
-def print_mesh(groups, mesh):
-    """Rank 0 prints every rank's coordinates and groups, as the groups themselves report
-    them (gathered, untracked), one line a rank."""
-    me = coords(C.get_rank(), mesh)._asdict()
-    sizes = {a: len(C.group_ranks(g)) for a, g in groups.items()}
-    for axis in groups:
-        me.update({f"{axis}_{i}": r for i, r in enumerate(C.group_ranks(groups[axis]))})
-    rows = C.gather_stats(me)
-    if rows is None:
-        return
-    strides = [world_of(mesh[i + 1:]) for i in range(len(AXES))]
-    print("mesh: rank = " + " + ".join(f"{a}_rank*{s}" for a, s in zip(AXES, strides) if s > 1) + " + tp_rank")
-    for r in range(len(rows["pp"])):
-        if r == 16 and len(rows["pp"]) > 20:
-            print(f"  ... {len(rows['pp']) - 16} more")
-            break
-        group = {a: [int(rows[f"{a}_{i}"][r]) for i in range(n)] for a, n in sizes.items()}
-        print(f"  rank {r:4d} ({', '.join(AXES)}) = ({', '.join(str(int(rows[a][r])) for a in AXES)})  "
-              + "  ".join(f"{a} group {group[a]}" for a in CREATED + tuple(a for a in EP_AXES if a in group)))
-
 # -----------------------------------------------------------------------------
 # a pipeline stage made of tensor parallel pieces
 
 
 class ParallelLayers(PP.Whole):
-    """pipeline_parallel.Stage's pieces on the mesh: each unit built whole from the seed and
-    cut to this rank's tensor parallel slice (tensor_parallel's build; the last stage's head
-    its own copy of this tp rank's slice of the tied matrix, under the name lm_head.weight),
-    run in tensor parallel's (s, b, h) layout. pos: this cp rank's global positions (None:
-    all of them); ring: its attention's ring (context_parallel's); moe: MoE -> its layer on
-    the mesh (expert_parallel.ExpertParallelMoE), for --n_expert."""
+    """pipeline_parallel.Stage's pieces on the mesh: each unit built whole from the seed, cut to
+    this rank's tp slice and run in tensor_parallel's (s, b, h) layout. pos: this cp rank's
+    global positions (None: all); ring: context_parallel's; moe: MoE -> expert_parallel's layer."""
 
     def __init__(self, config, seed, group, sp, pos=None, ring=None, attention="ring", moe=None):
         super().__init__(config, seed)
@@ -205,17 +165,16 @@ class ParallelLayers(PP.Whole):
     def loss(self, stage, x, targets):
         return TP.head_forward(stage.transformer["ln_f"], stage.lm_head, x, targets, self.group, self.sp)
 
-    def deferred(self, executor, mod):  # --schedule=zb: f and g as in tensor_parallel.py, the matmul's dW to W
+    def deferred(self, executor, mod):  # --schedule=zb: tensor_parallel's f and g, the matmul's dW to W
         if isinstance(mod, (TP.ColumnParallelLinear, TP.RowParallelLinear)):
-            slot, w, b = executor.defer(mod.weight), mod.weight, mod.bias
+            (f, g), slot, w, b = TP.region_ops(self.sp), executor.defer(mod.weight), mod.weight, mod.bias
             if isinstance(mod, TP.ColumnParallelLinear):
-                return lambda x: PP.deferred_linear(executor, mod.f(x, mod.group), w, b, slot)
-            return lambda x: mod.g(PP.deferred_linear(executor, x, w, None, slot), mod.group) + (0 if b is None else b)
+                return lambda x: PP.deferred_linear(executor, f(x, self.group), w, b, slot)
+            return lambda x: g(PP.deferred_linear(executor, x, w, None, slot), self.group) + (0 if b is None else b)
 
 
 def stage_units(stage):
-    """[(key, [(name, parameter)])]: the stage's ends (if any), then each block, a mixture's
-    experts left out (expert_parallel.named_experts): fsdp's units."""
+    """fsdp's units, [(key, [(name, parameter)])]: the stage's ends (if any), then each block."""
     named = [(n, p) for n, p in stage.named_parameters() if not hasattr(p, "ep_index")]
     ends = [(n, p) for n, p in named if not n.startswith("transformer.h.")]
     blocks = [(int(i), [(n, p) for n, p in named if n.startswith(f"transformer.h.{i}.")])
@@ -228,13 +187,11 @@ def stage_units(stage):
 
 
 def shard_hooks(dp, stage, reshard):
-    """The stage's ZeRO-3 hooks, on fsdp.Gathers (dp.gathers: one pass's, made per pass). gather(key):
-    before unit `key` computes ("ends"; "head": the ends again; a block's index), its all-gather
-    waited for and the next ones issued. In a pipeline (reshard False) a unit is kept to the
-    step's end (torchtitan's reshard_after_forward=False: every micro-batch's forward and
-    backward reuse one gather). With one micro-batch and no pipeline (reshard) done(key, x)
-    frees it after its forward, and a Handoff on x gathers it again before its backward (the
-    embedding's needs no weights), as fsdp.py does: two all-gathers a step."""
+    """The stage's ZeRO-3 hooks on fsdp.Gathers (dp.gathers, made per pass): gather(key) before
+    unit `key` computes waits for its all-gather and issues the next ones. In a pipeline a unit
+    is kept to the step's end (torchtitan's reshard_after_forward=False: one gather for every
+    micro-batch). With one micro-batch and no pipeline (reshard) done(key, x) frees it after its
+    forward and a Handoff on x gathers it again for backward, as fsdp.py: two all-gathers a step."""
     unit = lambda key: dp.by_key["ends" if key == "head" else key]  # noqa: E731
 
     @torch.compiler.disable  # under --compile: messages, run as they are between the graphs
@@ -260,8 +217,8 @@ def shard_hooks(dp, stage, reshard):
 
 
 def new_pass(dp, train):
-    """The all-gathers of one pass (a step, or one validation batch): the units in the order
-    they compute, forward (and backward's blocks with reshard), or once each in a pipeline."""
+    """The all-gathers of one pass (a step, a validation batch): the units as they compute, or
+    once each in a pipeline."""
     if dp.zero == 3:
         units = [dp.by_key["ends" if k == "head" else k] for k in dp.forward_order]
         if dp.reshard:
@@ -269,80 +226,41 @@ def new_pass(dp, train):
         dp.gathers = FSDP.Gathers(list(dict.fromkeys(units)) if not dp.reshard else units, dp.prefetch)
 
 
-def average(tensors, group):
-    """Average tensors over a group, all packed in one float32 message."""
-    if C.get_world_size(group) == 1 or not tensors:
-        return
-    flat = torch.cat([t.reshape(-1) for t in tensors])
-    C.all_reduce(flat, op="avg", group=group)
-    for t, g in zip(tensors, flat.split([t.numel() for t in tensors])):
-        t.copy_(g.view_as(t))
-
-
 def checkpoint_entries(stage, tp_group, writer, expert_writer=False):
-    """tensor_parallel's entries (global names, tp slices, replicas written by tp rank 0),
-    written by the first rank of the data and context axes only; the last stage's tied copy
-    is transformer.wte.weight again, loaded but never written (pipeline_parallel's rule).
-    A mixture's experts: dim-0 slices of the global stacked tensors (expert_parallel's), written
-    by tp rank 0 of the first ep group of the data and context axes (expert_writer)."""
+    """tensor_parallel's entries, written by the first rank of the data and context axes only
+    (writer); the last stage's tied copy loaded, never written (pipeline_parallel's rule); the
+    experts' slices written by the first ep group of those axes (expert_writer)."""
     return [("transformer.wte.weight", p, index, False) if name == "lm_head.weight" else
             (name, p, p.ep_index, write and expert_writer) if hasattr(p, "ep_index") else
             (name, p, index, write and writer)
             for name, p, index, write in TP.checkpoint_entries(stage, tp_group)]
 
 
-def counted_once(stage, tp_group):
-    """Whether a parameter's squared gradient norm counts on this rank: each tp slice, the
-    replicas on tp rank 0 only, never the last stage's tied copy."""
-    copy = stage.tied() if stage.last and not stage.first else None
-    first = C.get_rank(tp_group) == 0
-    return lambda p: p is not copy and (hasattr(p, "tp_index") or first)
-
-
-def clip_global_norm(stage, max_norm, tp_group, pp_group, extra=None):
-    """The norm of the whole model's gradient, each parameter once: tensor_parallel's
-    squared norm over the tp group (shards, and replicas on tp rank 0), without the last
-    stage's tied copy; summed over tp, then over pp (one float each); never over dp or cp.
-    extra: (squares, gradients) of a mixture's experts (expert_sq), added to the sum."""
+def clip(dp, stage, max_norm, groups, me):
+    """The norm of the whole model's gradient, each element once, and the clip by it; summed
+    never over cp or dp_replicate, which hold copies. Whole parameters: tensor_parallel's
+    squared norm (shards, and replicas on tp rank 0), without the last stage's tied copy,
+    summed over tp, then pp. Shards: every element of a unit lies in one rank's shard of the
+    dp_shard group, so summed over dp_shard, tp and pp. A mixture's experts: each ep group holds
+    every expert of its stage once, so their squares summed over ep (one float) are the stage's,
+    counted on one rank of the sums that follow (tp rank 0 at dp_shard 0)."""
     if not max_norm:
         return 0.0
-    sharded, replicated = TP.split_params(stage)
-    replicated = [p for p in replicated if not hasattr(p, "ep_index")]
-    copy = stage.tied() if stage.last and not stage.first else None
-    sq = TP.grad_sq_norm([p for p in sharded if p is not copy], replicated, tp_group)
-    sq, grads = (sq + extra[0], extra[1]) if extra else (sq, [])
-    return M.clip_by_global_norm(sq, [p.grad for p in sharded + replicated] + grads, max_norm, [tp_group, pp_group])
+    if dp.units:
+        sq = torch.stack([p.grad.pow(2).sum() if on else p.grad.new_zeros(()) for _, p, on in dp.pieces]).sum()
+        grads, over = [p.grad for _, p, _ in dp.pieces], ("dp_shard", "tp", "pp")
+    else:
+        sharded, replicated = TP.split_params(stage)
+        replicated = [p for p in replicated if not hasattr(p, "ep_index")]
+        copy = stage.tied() if stage.last and not stage.first else None
+        sq = TP.grad_sq_norm([p for p in sharded if p is not copy], replicated, groups["tp"])
+        grads, over = [p.grad for p in sharded + replicated], ("tp", "pp")
+    if dp.experts:
+        experts = torch.stack([p.grad.pow(2).sum() for p in dp.experts]).sum()
+        C.all_reduce(experts, group=groups["ep"])
+        sq, grads = sq + experts * (me.tp == me.dp_shard == 0), grads + [p.grad for p in dp.experts]
+    return M.clip_by_global_norm(sq, grads, max_norm, [groups[a] for a in over])
 
-
-def clip_shards(pieces, max_norm, groups, extra=None):
-    """The same norm from the gradient shards: every element of a unit lies in one rank's
-    shard of the dp_shard group, so its squares are summed over dp_shard, tp and pp."""
-    if not max_norm:
-        return 0.0
-    sq = torch.stack([p.grad.pow(2).sum() if counted else p.grad.new_zeros(()) for _, p, counted in pieces]).sum()
-    sq, grads = (sq + extra[0], extra[1]) if extra else (sq, [])
-    return M.clip_by_global_norm(sq, [p.grad for _, p, _ in pieces] + grads, max_norm, groups)
-
-
-def expert_sq(params, me, ep_group):
-    """The experts' share of the squared norm, (squares, gradients): each ep group holds
-    every expert of its stage once, so their squares summed over it (one float, on ep) are
-    the stage's; counted on one rank of the sums that follow (tp, dp_shard and pp: tp rank 0
-    at dp_shard 0), 0 elsewhere."""
-    sq = torch.stack([p.grad.pow(2).sum() for p in params]).sum()
-    C.all_reduce(sq, group=ep_group)
-    return sq * (me.tp == me.dp_shard == 0), [p.grad for p in params]
-
-
-def state_bytes(dp, stage):
-    """Parameters, gradients and Adam's state resident on this rank, each storage counted once
-    (a shard that is a slice of the full weights is no copy; freed weights hold nothing)."""
-    if not dp.units:
-        grads = (dp.buckets.buffers if dp.buckets else [p.grad for p in dp.params]) + [p.grad for p in dp.experts]
-        return (M.tensor_bytes(dp.params + dp.experts) + M.tensor_bytes(grads)
-                + M.optimizer_state_bytes(dp.optimizer))
-    params = list(stage.parameters())  # the units' (views of their full weights) and the experts
-    return FSDP.state_bytes(dp.units, dp.optimizer, params + [p.grad for p in params if p.grad is not None])
 
 # -----------------------------------------------------------------------------
 # the run
@@ -350,8 +268,7 @@ def state_bytes(dp, stage):
 
 def layout(cfg, config, world, check=True):
     """-> the Mesh, or (check) one line and exit on every rank (before any message)."""
-    pp, S, cp, tp = cfg.pp, cfg.dp_shard, cfg.cp, cfg.tp
-    R = cfg.dp_replicate
+    pp, R, S, cp, tp = cfg.pp, cfg.dp_replicate, cfg.dp_shard, cfg.cp, cfg.tp
     rest = pp * S * cp * tp
     if not R and world % rest:
         M.die(f"--pp={pp} x --dp_shard={S} x --cp={cp} x --tp={tp} = {rest} ranks does not divide the world "
@@ -366,8 +283,6 @@ def layout(cfg, config, world, check=True):
         M.die(f"--tp={tp} must divide the {config.n_head} heads and the padded vocabulary ({config.vocab_size})")
     if cfg.sequence_parallel and config.block_size % tp:
         M.die(f"--sequence_parallel needs --block_size ({config.block_size}) divisible by --tp={tp}")
-    if cfg.attention not in CP.ATTENTION:
-        M.die(f"--attention takes ring or ulysses, not {cfg.attention!r}")
     if cfg.attention == "ulysses" and config.n_head % (tp * cp):
         M.die(f"--attention=ulysses needs --tp x --cp = {tp * cp} to divide the {config.n_head} heads")
     parts = cp * (2 if cfg.layout == "zigzag" else 1)
@@ -399,26 +314,22 @@ def check_flags(cfg):
     """The flags alone, before any message: one line and exit on every rank."""
     if min(cfg.tp, cfg.pp, cfg.cp, cfg.dp_shard) < 1 or cfg.dp_replicate < 0:
         M.die("--pp, --dp_shard, --cp and --tp must be at least 1, --dp_replicate at least 0 (0: the rest)")
-    if cfg.schedule not in PP.SCHEDULES:
-        M.die(f"--schedule takes {', '.join(PP.SCHEDULES)}, not {cfg.schedule!r}")
-    if cfg.layout not in CP.LAYOUTS:
-        M.die(f"--layout takes {' or '.join(CP.LAYOUTS)}, not {cfg.layout!r}")
-    if cfg.zero_stage not in (1, 2, 3):
-        M.die(f"--zero_stage takes 1, 2 or 3, not {cfg.zero_stage}")
+    for flag, allowed in (("schedule", PP.SCHEDULES), ("layout", CP.LAYOUTS), ("attention", tuple(CP.ATTENTION)),
+                          ("dispatch", EP.DISPATCH), ("zero_stage", (1, 2, 3))):
+        if getattr(cfg, flag) not in allowed:
+            M.die(f"--{flag} takes {', '.join(map(str, allowed[:-1]))} or {allowed[-1]}, not {getattr(cfg, flag)!r}")
     cfg.n_micro = cfg.n_micro or (2 * cfg.pp if cfg.pp > 1 else 1)  # a pipeline needs m >= pp to fill
     if cfg.n_micro < 1 or cfg.bucket_mb <= 0 or cfg.prefetch < 0:
         M.die("--n_micro must be at least 1, --bucket_mb positive and --prefetch at least 0")
     if cfg.cp > 1 and (cfg.sequence_parallel or cfg.dropout):
         M.die("--cp > 1 needs --sequence_parallel=False and --dropout=0: the ring holds whole sequences' "
               "chunks, and its backward recomputes the attention weights without forward's masks")
-    if cfg.ep < 1 or (cfg.ep > 1 and not cfg.n_expert) or cfg.dispatch not in EP.DISPATCH:
-        M.die(f"--ep={cfg.ep} must be at least 1, and more than 1 only with --n_expert (a mixture of experts); "
-              f"--dispatch takes {' or '.join(EP.DISPATCH)}, not {cfg.dispatch!r}")
+    if cfg.ep < 1 or (cfg.ep > 1 and not cfg.n_expert):
+        M.die(f"--ep={cfg.ep} must be at least 1, and more than 1 only with --n_expert (a mixture of experts)")
 
 
 def build_stage(cfg, config, mesh, me, groups, device):
-    """This rank's pipeline stage: its blocks cut over tp, the attention on the cp ring, a
-    mixture's MLPs expert_parallel's layer on the ep group."""
+    """This rank's pipeline stage: its blocks cut over tp, their attention on the cp ring, the experts on ep."""
     ring = CP.Ring(groups["cp"], cfg.layout) if mesh.cp > 1 else None
     pos = CP.positions(config.block_size, me.cp, mesh.cp, cfg.layout, device) if ring else None
     make_moe = None
@@ -432,21 +343,18 @@ def build_stage(cfg, config, mesh, me, groups, device):
 
 
 def build_data_parallel(run, cfg, mesh, me, groups, stage):
-    """What the data axes keep of `stage`, and its optimizer, loaded from --resume if given.
-    dp_shard: fsdp's units on this stage's tp slices, the optimizer on their shards;
-    otherwise the parameters whole, with dp_replicate's buckets (ddp.py's). A mixture's
-    experts stay whole (E/ep of each layer), out of the units and the buckets."""
-    dp = SimpleNamespace(units=[], buckets=None, comm=None, pieces=[], zero=cfg.zero_stage if mesh.dp_shard > 1 else 0)
+    """What the data axes keep of `stage`, and its optimizer, loaded from --resume if given: fsdp's
+    units, or the parameters whole with ddp's buckets. A mixture's experts stay whole, in neither."""
+    dp = SimpleNamespace(units=[], buckets=None, pieces=[], zero=cfg.zero_stage if mesh.dp_shard > 1 else 0)
     expert_named = EP.named_experts(stage)
     dp.experts = [p for _, p in expert_named]
     dp.params = [p for p in stage.parameters() if not hasattr(p, "ep_index")]
     dp.replicated = TP.split_params(stage)[1]
     if dp.zero:
         dp.reshard = frees_after_forward(cfg, mesh)
-        # gathered in the compute dtype, as fsdp.py does, where the weights are freed after forward:
-        # gathered in fp32, each linear's autocast copy would be saved for backward, all of them
-        # alive from forward to backward. (Kept to the step's end, in a pipeline, the weights'
-        # gradients accumulate over micro-batches: in fp32, so the units stay fp32 there.)
+        # gathered in the compute dtype where freed after forward, as fsdp.py (in fp32 each linear's
+        # autocast copy would be saved for backward); in a pipeline the weights' gradients accumulate
+        # over micro-batches in fp32, so the units stay fp32 there
         low = torch.bfloat16 if cfg.dtype == "bfloat16" and dp.reshard else torch.float32
         dp.live = FSDP.LiveUnits()  # an instrument: the most units gathered at once in a step
         dp.by_key = {key: FSDP.Unit(named, groups["dp_shard"], dp.zero, run.device, low, str(key), dp.live)
@@ -462,8 +370,10 @@ def build_data_parallel(run, cfg, mesh, me, groups, stage):
         dp.prefetch = cfg.prefetch
         if dp.zero == 3:
             shard_hooks(dp, stage, dp.reshard)
-        counted = counted_once(stage, groups["tp"])
-        dp.pieces = [(name, piece, counted(p)) for u in dp.units for name, piece, p, _, _ in u.pieces()]
+        # the clip counts each element once: each tp slice, the replicas on tp rank 0, not the last stage's tied copy
+        copy, first = tied if stage.last and not stage.first else None, C.get_rank(groups["tp"]) == 0
+        dp.pieces = [(name, piece, p is not copy and (hasattr(p, "tp_index") or first))
+                     for u in dp.units for name, piece, p, _, _ in u.pieces()]
         dp.optimizer = M.make_optimizer([(name, p) for name, p, _ in dp.pieces] + expert_named, cfg, run.device)
     else:
         if mesh.dp_replicate > 1:
@@ -486,8 +396,7 @@ def build_data_parallel(run, cfg, mesh, me, groups, stage):
 
 
 def free_units(dp):
-    """ZeRO-3 at the step's end: a pipeline's units, kept from their first use, and after
-    validation; the fp32 copies of bf16 parts a checkpoint read."""
+    """ZeRO-3 at the step's end, and after validation: a pipeline's units; a checkpoint's fp32 copies."""
     for u in dp.units:
         if dp.zero == 3:
             u.free()
@@ -501,13 +410,12 @@ def unshard(dp):
 
 
 def frees_after_forward(cfg, mesh):
-    """ZeRO-3 with one micro-batch and no pipeline frees each unit after its forward (ShardComm)."""
+    """ZeRO-3 with one micro-batch and no pipeline frees each unit after its forward, as fsdp.py."""
     return getattr(cfg, "zero_stage", 3) == 3 and mesh.pp == 1 and cfg.n_micro == 1
 
 
 def train_step(dp, stage, executor, plan, rows, cfg, groups, me):
-    """One optimizer step: the schedule's forwards and backwards, the gradients reduced over
-    every axis (reduce_gradients), the clip, the update. -> (the losses, the norm)"""
+    """One optimizer step: the schedule, the gradients reduced over every axis, the clip, the update."""
     if dp.buckets:
         dp.buckets.zero()
         dp.buckets.sync = not cfg.overlap
@@ -522,11 +430,8 @@ def train_step(dp, stage, executor, plan, rows, cfg, groups, me):
         new_pass(dp, train=True)
         dp.reduces.waits, dp.live.peak = [], 0
     losses = executor.run(plan, rows)
-    extra = reduce_gradients(dp, stage, cfg, groups, me)
-    if dp.units:
-        norm = clip_shards(dp.pieces, cfg.grad_clip, [groups["dp_shard"], groups["tp"], groups["pp"]], extra)
-    else:
-        norm = clip_global_norm(stage, cfg.grad_clip, groups["tp"], groups["pp"], extra)
+    reduce_gradients(dp, stage, cfg, groups)
+    norm = clip(dp, stage, cfg.grad_clip, groups, me)
     dp.optimizer.step()
     if dp.zero in (1, 2):
         for u in dp.units:
@@ -534,9 +439,8 @@ def train_step(dp, stage, executor, plan, rows, cfg, groups, me):
     return losses, norm
 
 
-def reduce_gradients(dp, stage, cfg, groups, me):
-    """Each gradient summed over the ranks that hold a copy of it, after the last backward:
-    -> the experts' (squares, gradients) for the clip (expert_sq), or None."""
+def reduce_gradients(dp, stage, cfg, groups):
+    """Each gradient summed over the ranks that hold a copy of it, after the last backward."""
     if dp.buckets:
         dp.buckets.reduce()  # dp_replicate: the average over the replicas (waits for the overlapped ones)
     if cfg.sequence_parallel:
@@ -546,18 +450,17 @@ def reduce_gradients(dp, stage, cfg, groups, me):
         dp.reduces.finish(dp.units)  # dp_shard: each unit's gradient into this rank's shard
         free_units(dp)
         grads = [g for u in dp.units for g in u.grad_shards()]
-        average(grads, groups["cp"])  # cp: each rank saw its positions' share of the tokens
-        average(grads, groups["dp_replicate"])  # dp_replicate: HSDP's all-reduce of the shards
+        C.all_reduce_flat(grads, group=groups["cp"])  # cp: each rank saw its positions' share of the tokens
+        C.all_reduce_flat(grads, group=groups["dp_replicate"])  # dp_replicate: HSDP's all-reduce of the shards
     else:
-        average(dp.buckets.buffers if dp.buckets else [p.grad for p in dp.params], groups["cp"])
+        C.all_reduce_flat(dp.buckets.buffers if dp.buckets else [p.grad for p in dp.params], group=groups["cp"])
     if not dp.experts:
-        return None
+        return
     grads = [p.grad for p in dp.experts]  # from the ep group's tokens: summed over the other data ranks
-    average(grads, groups["ep_dp"])  # ep_dp: the ranks that hold the same experts
-    average(grads, groups["dp_replicate"])
+    C.all_reduce_flat(grads, group=groups["ep_dp"])  # ep_dp: the ranks that hold the same experts
+    C.all_reduce_flat(grads, group=groups["dp_replicate"])
     for g in grads:  # the mean over the R·S·cp data ranks: ep of them were summed already
         g.div_(cfg.ep)
-    return expert_sq(dp.experts, me, groups["ep"]) if cfg.grad_clip else None
 
 
 def main(argv=None):
@@ -565,19 +468,16 @@ def main(argv=None):
     check_flags(cfg)
     run = M.start(cfg, "parallel_nd", moe=True)
     rank, world, device, config = run.rank, run.world, run.device, run.config
-    # 1. the mesh: every group of every axis, made by every rank in one order
+    # 1. the groups: every group of every axis, made by every rank in one order
     mesh = layout(cfg, config, world)
-    me = coords(rank, mesh)
-    moe, ep, n_micro, S, R = bool(config.n_expert), cfg.ep, cfg.n_micro, mesh.dp_shard, mesh.dp_replicate
-    groups = make_groups(rank, mesh, ep if moe else 0)
+    me, moe, n_micro, S, R = coords(rank, mesh), bool(config.n_expert), cfg.n_micro, mesh.dp_shard, mesh.dp_replicate
+    groups = make_groups(rank, mesh, cfg.ep if moe else 0)
     print_mesh(groups, mesh)
-    # 2. the stage: tp's pieces, the cp ring, the experts; then what the data axes keep of it
+    # 2. the stage: tensor parallel's blocks, with context parallel's ring and the experts' layer
     stage, pos = build_stage(cfg, config, mesh, me, groups, device)
+    # 3. data parallelism applied to it: dp_shard's units or dp_replicate's buckets; the optimizer
     dp = build_data_parallel(run, cfg, mesh, me, groups, stage)
-    run.layout = dict(mesh._asdict(), zero_stage=cfg.zero_stage, layout=cfg.layout, schedule=cfg.schedule,
-                      n_micro=n_micro, sequence_parallel=cfg.sequence_parallel,
-                      **(dict(ep=ep, dispatch=cfg.dispatch) if moe else {}))
-    # 3. the pipeline's runtime and its schedules
+    # 4. the pipeline's runtime and its schedules; then 5. the loop
     b, s = cfg.batch_size // (R * S * n_micro), config.block_size // mesh.cp
     act_shape = (s // mesh.tp if cfg.sequence_parallel else s, b, config.n_embd)
     executor = PP.Executor(stage, act_shape, n_micro, run.autocast, torch.compile(stage) if cfg.compile else None,
@@ -585,18 +485,15 @@ def main(argv=None):
     v = PP.virtual_stages(cfg)
     train_plan = PP.plan(cfg.schedule, mesh.pp, n_micro, me.pp, v)
     eval_plan = PP.plan(cfg.schedule, mesh.pp, n_micro, me.pp, v, train=False)
-    sizes = dict(mesh._asdict(), **({"ep": ep, "ep_dp": S * mesh.cp // ep} if moe else {}))
-    formula = {a: axis_bytes(config, cfg, mesh, stage=me.pp)[a] / n for a, n in sizes.items()}
     head = PP.owner(cfg.schedule, mesh.pp, mesh.pp * v - 1)  # the pp rank with the last chunk (ZB-V: 0)
     last_stage = [r for r in range(world) if coords(r, mesh).pp == head]
+    run.layout = dict(mesh._asdict(), zero_stage=cfg.zero_stage, layout=cfg.layout, schedule=cfg.schedule,
+                      n_micro=n_micro, sequence_parallel=cfg.sequence_parallel,
+                      **(dict(ep=cfg.ep, dispatch=cfg.dispatch) if moe else {}))
     if rank == 0:
-        print(f"parallel_nd: " + " x ".join(f"{a}={n}" for a, n in mesh._asdict().items()) + f" = {world} ranks"
-              f"{f', ZeRO-{cfg.zero_stage}' if S > 1 else ''}{f', {cfg.layout} ring' if mesh.cp > 1 else ''}"
-              f"{', sequence parallel' if cfg.sequence_parallel else ''}"
-              f"{f', {config.n_expert} experts over ep={ep} ({cfg.dispatch})' if moe else ''}, "
-              f"{M.param_count(config) / 1e6:.2f}M parameters, schedule "
-              f"{cfg.schedule}, {n_micro} micro-batches of {b} x {s} tokens per pipeline, bubble "
-              f"{PP.bubble(cfg.schedule, mesh.pp, n_micro, v):.1%}")
+        print(f"parallel_nd: {' '.join(f'{k}={x}' for k, x in run.layout.items())}, {world} ranks, "
+              f"{M.param_count(config) / 1e6:.2f}M parameters, {n_micro} micro-batches of {b} x {s} tokens, "
+              f"bubble {PP.bubble(cfg.schedule, mesh.pp, n_micro, v):.1%}")
 
     def rows(step, split):  # this data rank's rows of the global batch, its cp positions, in micro-batches
         batch = partial(M.batch, run, step, split, n_micro=n_micro, dp_rank=me.dp_replicate * S + me.dp_shard,
@@ -632,15 +529,54 @@ def main(argv=None):
         if dp.units and M.checkpoint_due(cfg, it + 1):
             unshard(dp)  # the full weights and moments, for end_iter's checkpoint
         logged = moe_stats(run, stage, me, groups["ep"], cfg.dispatch) if moe else {}
-        if "routed" in logged:  # alltoall: the bytes depend on the routing, this step's as the group routed it
-            formula["ep"] = axis_bytes(config, cfg, mesh, me.pp, logged.pop("routed"))["ep"] / ep
         M.end_iter(run, loss=torch.stack(losses).mean() if losses else 0.0, grad_norm=norm, state_bytes=state,
-                   loss_ranks=last_stage, axes=groups, **{f"formula_bytes_{a}": formula[a] for a in sizes},
+                   loss_ranks=last_stage, axes=groups,
+                   **formula_bytes(config, cfg, mesh, me.pp, logged.pop("routed", None)),
                    peak_micro=executor.peak_held, act_bytes=executor.peak_bytes, **exposed, **logged)
         free_units(dp)
     if dp.units and cfg.save_path:
         unshard(dp)
     return M.finish(run)
+
+# -----------------------------------------------------------------------------
+# instruments: the mesh printed, what the log records
+
+
+def print_mesh(groups, mesh):
+    """Rank 0 prints every rank's coordinates and groups, as the groups report them, one line a rank."""
+    sizes = {a: len(C.group_ranks(g)) for a, g in groups.items()}
+    me = coords(C.get_rank(), mesh)._asdict() | {f"{a}_{i}": r for a, g in groups.items()
+                                                for i, r in enumerate(C.group_ranks(g))}
+    rows = C.gather_stats(me)
+    if rows is None:
+        return
+    strides = [world_of(mesh[i + 1:]) for i in range(len(AXES))]
+    print("mesh: rank = " + " + ".join(f"{a}_rank*{s}" for a, s in zip(AXES, strides) if s > 1) + " + tp_rank")
+    for r in range(len(rows["pp"])):
+        if r == 16 and len(rows["pp"]) > 20:
+            print(f"  ... {len(rows['pp']) - 16} more")
+            break
+        group = {a: [int(rows[f"{a}_{i}"][r]) for i in range(n)] for a, n in sizes.items()}
+        print(f"  rank {r:4d} ({', '.join(AXES)}) = ({', '.join(str(int(rows[a][r])) for a in AXES)})  "
+              + "  ".join(f"{a} group {group[a]}" for a in CREATED + tuple(a for a in EP_AXES if a in group)))
+
+
+def state_bytes(dp, stage):
+    """Parameters, gradients and Adam's state resident on this rank, each storage counted once."""
+    if not dp.units:
+        grads = (dp.buckets.buffers if dp.buckets else [p.grad for p in dp.params]) + [p.grad for p in dp.experts]
+        return (M.tensor_bytes(dp.params + dp.experts) + M.tensor_bytes(grads)
+                + M.optimizer_state_bytes(dp.optimizer))
+    params = list(stage.parameters())  # the units' (views of their full weights) and the experts
+    return FSDP.state_bytes(dp.units, dp.optimizer, params + [p.grad for p in params if p.grad is not None])
+
+
+def formula_bytes(config, cfg, mesh, stage, routed=None):
+    """The log's formula_bytes_<axis>: what axis_bytes says a rank of `stage` sends on each axis
+    (alltoall: the ep rows as its group routed them this step)."""
+    ep = {"ep": cfg.ep, "ep_dp": mesh.dp_shard * mesh.cp // cfg.ep} if config.n_expert else {}
+    sizes, sent = dict(mesh._asdict(), **ep), axis_bytes(config, cfg, mesh, stage, routed)
+    return {f"formula_bytes_{a}": sent[a] / n for a, n in sizes.items()}
 
 
 def moe_stats(run, stage, me, ep_group, dispatch):
@@ -665,16 +601,14 @@ def moe_stats(run, stage, me, ep_group, dispatch):
 
 def held(config, pp, stage, schedule=None, v=1):
     """(blocks, first, last) of pipeline rank `stage`: how many blocks its chunks hold
-    (pipeline_parallel's placement: chunks r, r+p, ...; ZB-V's r and 2p-1-r), whether it holds
-    the embedding (chunk 0) and the head (the last chunk: ZB-V puts both ends on rank 0)."""
+    (pipeline_parallel.chunks_of), whether it holds the embedding and the head."""
     chunks = PP.chunks_of(schedule, pp, stage, v)
     return sum(len(PP.stage_layers(config.n_layer, pp * v, c)) for c in chunks), 0 in chunks, pp * v - 1 in chunks
 
 
 def block_params(config):
-    """(sharded, replicated) elements of one block, outside a mixture's experts: tensor
-    parallelism splits c_attn, the c_proj weights and c_fc (a MoE block: the attention's
-    only); the LayerNorms, the row-parallel biases and a MoE's router are replicated."""
+    """(sharded, replicated) elements of one block, a mixture's experts left out: tp splits
+    c_attn, c_fc and the c_proj weights; norms, row-parallel biases and a router it replicates."""
     h, bias, E = config.n_embd, int(config.bias), config.n_expert
     if E:
         return 4 * h * h + 3 * h * bias, 2 * h + 3 * h * bias + E * h
@@ -682,10 +616,8 @@ def block_params(config):
 
 
 def stage_params(config, tp, pp, stage, schedule=None, v=1):
-    """(sharded, replicated): the parameters a rank of `stage` holds, in elements, but a
-    mixture's experts (expert_params). Sharded: its 1/tp of every matrix tensor parallelism
-    splits (and the tied matrix's copy on a last stage); replicated: LayerNorms, row-parallel
-    biases, the position embedding, the routers."""
+    """(sharded, replicated): the elements a rank of `stage` holds but a mixture's experts:
+    its 1/tp of what tp splits (the tied matrix's copy on a last stage too), and the rest."""
     h, bias = config.n_embd, int(config.bias)
     n_blocks, first, last = held(config, pp, stage, schedule, v)
     sharded, replicated = (n_blocks * n for n in block_params(config))
@@ -701,30 +633,19 @@ def expert_params(config, ep, pp, stage, schedule=None, v=1):
     return held(config, pp, stage, schedule, v)[0] * E // ep * (8 * h * h + 5 * h * bias)
 
 
-def unit_sizes(config, tp, pp, stage, schedule=None, v=1):
-    """The elements of each ZeRO unit of `stage` on one tp rank: its ends (embeddings on the
-    first stage, final norm and the head's copy on the last; none in the middle), then its
-    blocks (a mixture's experts left out: they stay whole, split by ep instead)."""
-    h, bias = config.n_embd, int(config.bias)
-    n_blocks, first, last = held(config, pp, stage, schedule, v)
-    ends = (config.vocab_size * h // tp + config.block_size * h) * first + (h + h * bias) * last
-    ends += config.vocab_size * h // tp * (last and not first)
-    sharded, replicated = block_params(config)
-    block = sharded // tp + replicated
-    return [ends] * (first or last) + [block] * n_blocks
-
-
 def unit_parts(config, cfg, mesh, stage, place=(None, 1)):
-    """Each ZeRO unit's parts on one tp rank of `stage`, as fsdp.Unit lays them out, each padded
-    apart: [[(elements, bytes each when gathered)]]. One fp32 part; under bf16 with the units freed
-    after forward (frees_after_forward), a block's linear layers in bf16 (fsdp.gather_dtype: their
-    weights and biases, on this tp rank; a mixture's, its attention's), its norms (and a router) apart."""
-    sizes = unit_sizes(config, mesh.tp, mesh.pp, stage, *place)
-    n_blocks, h, bias = held(config, mesh.pp, stage, *place)[0], config.n_embd, int(config.bias)
+    """Each ZeRO unit of `stage` on one tp rank, its ends (if any) then its blocks (a mixture's
+    experts left out), as fsdp.Unit lays out its parts, each padded apart: [[(elements, bytes
+    each when gathered)]]. One fp32 part; under bf16 with the units freed after forward, a
+    block's linear layers in bf16 (fsdp.gather_dtype), its norms (and a router) apart."""
+    tp, h, bias, V = mesh.tp, config.n_embd, int(config.bias), config.vocab_size
+    n_blocks, first, last = held(config, mesh.pp, stage, *place)
+    ends = (V * h // tp + config.block_size * h) * first + (h + h * bias) * last + V * h // tp * (last and not first)
+    sharded, replicated = block_params(config)
     low = getattr(cfg, "dtype", "float32") == "bfloat16" and frees_after_forward(cfg, mesh)
-    linear = block_params(config)[0] // mesh.tp + (1 if config.n_expert else 2) * h * bias  # + row-parallel biases
-    return [[(linear, 2), (n - linear, 4)] if low and i >= len(sizes) - n_blocks else [(n, 4)]
-            for i, n in enumerate(sizes)]
+    linear = sharded // tp + (1 if config.n_expert else 2) * h * bias  # + row-parallel biases
+    block = [(linear, 2), (sharded // tp + replicated - linear, 4)] if low else [(sharded // tp + replicated, 4)]
+    return [[(ends, 4)]] * (first or last) + [block] * n_blocks
 
 
 Message = namedtuple("Message", "axis stage what op n nbytes count")
@@ -735,24 +656,14 @@ def axis_messages(config, cfg, mesh, routed=None):
     each group of `axis` on pipeline `stage` (None: the pipeline groups, which span the
     stages) sends `count` of op ("all_reduce"; "rs_ag", a reduce-scatter and an all-gather
     of nbytes; "all_gather", "reduce_scatter" of nbytes in all; "p2p", one message) among its
-    n ranks. Activations travel in the compute dtype inside tensor parallel regions and the
-    ring, float32 across a stage boundary (pipeline_parallel.BOUNDARY_DTYPE) and in the
-    embedding's region; gradients, weights and norms in float32.
-
-    With --n_expert, per MoE layer and micro-batch, on the ep group (N = ep ranks, n = b·s
-    tokens a rank routes, k = top_k; the rows in the compute dtype, the routing in int64):
-    alltoall, the all-gather of every rank's (E, k) choice counts and 4 passes of the rows
-    sent between ranks (dispatch, combine, and both backward): 4·routed rows of h, routed
-    the rows one group's ranks dispatched to each other's experts in the step (routing
-    decides it: None, the expectation under uniform routing, (N-1)·n·k a layer and
-    micro-batch); allgather, the all-gather of the N·n choices, of the N·n rows (backward
-    its reduce-scatter) and the reduce-scatter of the N·n·k outputs (backward an all-gather).
-    Then the experts' gradients averaged over ep_dp and dp_replicate, and the norm's float
-    on ep; with cp > 1, the balance loss's per-sequence sums (b·2E floats) on the cp ring."""
+    n ranks. Activations travel in the compute dtype in tp regions and the ring, float32 across
+    a stage boundary and in the embedding's region; gradients, weights and norms in float32.
+    The experts' rows (ep, per MoE layer and micro-batch): alltoall, 4 passes (dispatch,
+    combine, both backward) of `routed`, the rows one ep group's ranks dispatched to each
+    other's experts in the step (None: uniform routing's (N-1)·b·s·k); allgather, the
+    all-gathers and reduce-scatters of expert_parallel.exchange_bytes."""
     pp, R, S, cp, tp = mesh
-    d = 2 if cfg.dtype == "bfloat16" else 4
-    m = cfg.n_micro
-    v = PP.virtual_stages(cfg)  # interleaved: p·v-1 chunk boundaries
+    d, m, v = 2 if cfg.dtype == "bfloat16" else 4, cfg.n_micro, PP.virtual_stages(cfg)  # v: p·v-1 boundaries
     place = getattr(cfg, "schedule", None), v  # which chunks each rank holds (a plan's cfg may not say)
     vee = place[0] == "zbv"  # its chunks p-1 and p share a rank, and so do both ends of the tie
     b, s, h, V = cfg.batch_size // (R * S * m), config.block_size // cp, config.n_embd, config.vocab_size
@@ -766,8 +677,7 @@ def axis_messages(config, cfg, mesh, routed=None):
     E, k_top, ep = config.n_expert, config.top_k, getattr(cfg, "ep", 1)  # (a plan's cfg may not say)
     alltoall = getattr(cfg, "dispatch", "alltoall") != "allgather"
     ulysses = getattr(cfg, "attention", "ring") == "ulysses"  # q, k, v, out by all-to-all, and back
-    # ZeRO-3 with one micro-batch and no pipeline frees a unit after forward and gathers it again (ShardComm)
-    gathers = 2 if frees_after_forward(cfg, mesh) else 1
+    gathers = 2 if frees_after_forward(cfg, mesh) else 1  # freed after forward: gathered again for backward
     out = []
     for k in range(pp):
         n_blocks, first, last = held(config, pp, k, *place)
@@ -809,26 +719,20 @@ def axis_messages(config, cfg, mesh, routed=None):
     return [msg for msg in out if msg.count and msg.n > 1]
 
 
-def group_bytes(op, n, nbytes):
-    """Bytes the n ranks of a group send in all for one op: a ring or a tree all-reduce
-    2(N-1)·S, a reduce-scatter plus an all-gather (N-1)·S each, a ring all-gather or
-    reduce-scatter of S in all (N-1)·S (each rank's S/N passes N-1 ranks), a message S."""
-    return nbytes if op == "p2p" else (n - 1) * nbytes * (1 if op in ("all_gather", "reduce_scatter") else 2)
-
-
 def axis_bytes(config, cfg, mesh, stage=None, routed=None):
     """{axis: bytes per step}, summed over axis_messages(). stage=None: sent by every rank of
-    the world on that axis; stage=k: sent by the ranks of one group of the axis that a rank of
-    stage k is in (its tp, cp and data groups live on stage k; its pp group spans the stages).
-    routed: the rows that group's ep ranks dispatched to each other (stage=None: every
-    group's). Each axis' formula: docs/formulas.md; bench/plan_cluster.py uses
-    this same function to predict the step time of a layout on a cluster."""
+    the world on that axis; stage=k: by the ranks of one group of the axis that a rank of
+    stage k is in (its pp group spans the stages). routed: as axis_messages()."""
     world = world_of(mesh)
     out = dict.fromkeys(axes(config), 0)
     for msg in axis_messages(config, cfg, mesh, routed):
         if stage is None or msg.stage in (None, stage):
             groups = 1 if stage is not None else world // msg.n // (1 if msg.axis == "pp" else mesh.pp)
-            out[msg.axis] += msg.count * group_bytes(msg.op, msg.n, msg.nbytes) * groups
+            # what a group's N ranks send for one op of S bytes (docs/formulas.md): an all-reduce (or rs_ag)
+            # 2(N-1)·S, an all-gather or reduce-scatter (N-1)·S, a message S
+            sent = msg.nbytes if msg.op == "p2p" else (msg.n - 1) * msg.nbytes * (
+                1 if msg.op in ("all_gather", "reduce_scatter") else 2)
+            out[msg.axis] += msg.count * sent * groups
     return out
 
 
@@ -839,12 +743,10 @@ def traffic_per_rank(config, cfg, world):
 
 def state_per_rank(config, cfg, mesh, stage, shard_rank):
     """Bytes of parameters, gradients and Adam's state on a rank of `stage` at dp_shard
-    coordinate shard_rank: what state_bytes() measures. Without dp_shard 16 bytes an element
-    (float32 weight, gradient, Adam's m and v). With it, fsdp.state_per_rank's rule on this
-    stage's units: each of n elements padded to P = S·⌈n/S⌉, the rank's shard of S' = P/S
-    holding R' real elements (Adam's moments only for those):
-      ZeRO-3   4S' + 4S' + 8R'     ZeRO-2   4P + 4S' + 8R'     ZeRO-1   4P + 4P + 8R'
-    plus a mixture's experts, 16 bytes an element of expert_params at every ZeRO stage."""
+    coordinate shard_rank: what state_bytes() measures. 16 bytes an element (weight, gradient,
+    Adam's m and v) of the experts, and of the rest without dp_shard; with it fsdp.state_per_rank's
+    rule on each part of this stage's units (P = S·⌈n/S⌉ padded, 8 bytes for each real element):
+    ZeRO-3 4P/S + 4P/S, ZeRO-2 4P + 4P/S, ZeRO-1 4P + 4P."""
     S = mesh.dp_shard
     place = getattr(cfg, "schedule", None), PP.virtual_stages(cfg)
     total = 16 * expert_params(config, getattr(cfg, "ep", 1), mesh.pp, stage, *place) if config.n_expert else 0

@@ -6,38 +6,24 @@ micro-batches that flow through the chunks like cars down an assembly line.
     python pipeline_parallel.py                                  # one stage: the reference run
     torchrun --nproc_per_node=4 pipeline_parallel.py --n_micro=8 --schedule=1f1b --timeline=True
     torchrun --nproc_per_node=4 pipeline_parallel.py --n_micro=8 --schedule=interleaved --virtual_stages=2
-    torchrun --nproc_per_node=2 pipeline_parallel.py --schedule=zb
     torchrun --nproc_per_node=4 pipeline_parallel.py --n_micro=8 --schedule=zbv --timeline=True
 
-The schedules (p ranks; the bubble is the idle share of the step, at unit costs):
+The schedules (p ranks; bubble() gives each one's idle share, docs/pipeline_parallel.md its table):
   gpipe        all m forwards, then all m backwards (Huang et al. 2019): holds m micro-batches.
-  1f1b         p-1-r forwards, then one forward one backward (PipeDream-Flush, Narayanan et al.
-               2021): the same bubble (p-1)/(m+p-1), at most p micro-batches held.
-  interleaved  rank r holds the v chunks r, r+p, ... of p·v (--virtual_stages; Megatron-LM,
-               Narayanan et al. 2021): bubble (p-1)/(v·m+p-1), for v times the boundary
-               crossings; needs m % p == 0.
-  zb           ZB-H1 (Qi et al. 2023, "Zero Bubble Pipeline Parallelism"): each backward split in
-               B (the input's gradient, which the previous rank waits for) and W (the weights',
-               which nobody waits for), W deferred into the cool-down's bubble: with F = B = W
-               and m >= p, (p-1)/(3m+p-1), and 1F1B's memory. B leaves each linear's input
-               and output gradient in a store, from which W computes the weights' gradients:
-               B + W is one backward's work (the W store, below).
-  zbv          ZB-V (the same paper): two chunks a rank in a V, r on the way down and 2p-1-r
-               on the way back, so rank 0 holds both ends; at F = B = W of a chunk, bubble
-               (p-1)/(6m+p-1) once m >= (3p-1)/2 (half ZB-H1's idle time), and at most p
-               stages' activations on every rank, 1F1B's first stage's.
+  1f1b         p-1-r forwards, then one forward one backward (PipeDream-Flush): at most p held.
+  interleaved  v chunks a rank, r, r+p, ... (--virtual_stages; Megatron-LM): a v-th of the bubble.
+  zb           ZB-H1 (Qi et al. 2023): backward split in B (the input's gradient, which the previous
+               rank waits for) and W (the weights'), the W's in the cool-down's bubble.
+  zbv          ZB-V (the same paper): two chunks a rank in a V, r and 2p-1-r; half ZB-H1's idle time.
 
-What it sends: only point to point, to the rank that holds the next (previous) chunk: each
-micro-batch's activation, b·s·h float32 numbers (b = batch_size/m), forward across every
-chunk boundary, and its gradient back; float32 under bf16 too, since the boundary cuts the
-residual stream, which autocast keeps in float32. After the pipeline drains: the first and
-the last rank swap their copies' gradients of the tied embedding/head (V·h each way; ZB-V:
-rank 0 holds both ends, one matrix, and nothing is sent), and
-one float (the squared gradient norm) is summed over the ranks. traffic_per_rank() counts it.
+What it sends: point to point only, each micro-batch's activation (b·s·h float32: the residual
+stream, float32 under bf16 too) across every chunk boundary and its gradient back; then the tied
+embedding/head's gradient swapped between the two ends (V·h each way; none under ZB-V) and the
+norm's float: traffic_per_rank().
 
-Each schedule is a list of actions per rank (schedule(), plan()), run one by one by the
-Executor; simulate() runs them all on paper, and --timeline=True prints the plans, the
-paper timeline and the measured one.
+The lesson is everything above main(): the schedules as data (plan()), the Stage, the W store,
+the Executor that runs a plan, the tie. Below main(): the instruments, simulate() (every plan
+run on paper), the drawing of --timeline, the measured bubble, the byte formulas the tests check.
 """
 import math
 import time
@@ -52,17 +38,20 @@ from torch.utils import flop_counter
 import collectives as C
 import model as M
 
-DEFAULTS = dict(M.TRAIN_DEFAULTS, schedule="1f1b", n_micro=4, virtual_stages=2, timeline=False)
+DEFAULTS = dict(
+    M.TRAIN_DEFAULTS,
+    schedule="1f1b",    # the pipeline's schedule: gpipe, 1f1b, interleaved, zb, zbv
+    n_micro=4,          # micro-batches a step
+    virtual_stages=2,   # chunks a rank holds under --schedule=interleaved
+    timeline=False,     # print each rank's plan, its timeline on paper and the measured one
+)
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb", "zbv")
 BOUNDARY_DTYPE = torch.float32  # the residual stream: float32 under bf16 autocast, as in the one-process run
 
 # -----------------------------------------------------------------------------
-# the schedules, as data: pure functions, printable and testable without a model
-#
-# The model is cut into p·v chunks of consecutive blocks; rank r holds chunks r, r+p, ...
-# (v = 1 but for interleaved). A compute action is Compute("F"|"B"|"W", chunk, micro): a
-# forward of micro-batch `micro` through `chunk`; its backward (the whole of it, or with W
-# split off only the input's gradient); W, the weights' gradient.
+# the schedules, as data: pure functions, printable and testable without a model. The model is
+# cut into p·v chunks (chunks_of); Compute("F"|"B"|"W", chunk, micro) is a forward of micro-batch
+# `micro` through `chunk`, its backward (with W split off: the input's gradient only), or W.
 
 Compute = namedtuple("Compute", "kind chunk micro")
 Message = namedtuple("Message", "kind chunk micro")  # "act": chunk's output; "grad": the gradient of its input
@@ -105,15 +94,11 @@ def steps(name, p, m, r, v=1):
 
 
 def zbv(p, m, r):
-    """ZB-V (Qi et al. 2023, section 6; as torch.distributed.pipelining's ScheduleZBVZeroBubble
-    orders it), as steps of one compute. Rank r holds chunk r on the way down ("0") and chunk
-    2p-1-r on the way back up ("1"). Micro-batch 0 reaches chunk 2p-1-r after 2(p-r)-1 forwards
-    of chunk 0 on this rank: that many F0 first, then r pairs F1 F0 while the ranks below fill,
-    then p-r times F1 B1 W1 (the last rank's chunk p is right behind its chunk p-1, so its
-    backward starts at once), then the steady state F0 B0 W0 F1 B1 W1, in which each W runs
-    right after its B. The cool-down's B's go first (the previous rank waits for them) and
-    the W's fill the wait. The order is written for m >= 2p-1 micro-batches; with fewer, the
-    actions of the missing ones are dropped from it, as torch does."""
+    """ZB-V (Qi et al. 2023, section 6), as torch.distributed.pipelining's ScheduleZBVZeroBubble
+    orders it, in steps of one compute, chunk r down ("0") and 2p-1-r back up ("1"): 2(p-r)-1 F0,
+    r pairs F1 F0 while the ranks below fill, p-r times F1 B1 W1, the steady state F0 B0 W0 F1 B1
+    W1; in the cool-down the B's first (the previous rank waits for them), the W's in the wait.
+    Written for m >= 2p-1; with fewer, the missing micro-batches' actions are dropped."""
     Fd, Bd, Wd = (partial(Compute, kind, r) for kind in "FBW")  # chunk r, down
     Fu, Bu, Wu = (partial(Compute, kind, 2 * p - 1 - r) for kind in "FBW")  # chunk 2p-1-r, up
     n = max(m, 2 * p - 1)
@@ -155,9 +140,8 @@ def owner(name, p, c):
 
 def interleaved(p, m, r, v):
     """Megatron-LM's interleaved 1F1B, as steps: forwards go through the chunks p micro-batches
-    at a time (chunk r for micro-batches 0..p-1, then chunk r+p for them, ...), backwards the
-    other way; the warm-up covers the time for micro-batch 0 to pass all p·v chunks and come
-    back. With m == p there is no steady state: all forwards first, as Megatron does."""
+    at a time (chunk r for micro-batches 0..p-1, then chunk r+p, ...), backwards the other way;
+    the warm-up lets micro-batch 0 pass all p·v chunks and come back (m == p: all forwards first)."""
     total = v * m  # forwards (and backwards) of this rank
 
     def at(k, forward):  # the k-th forward (backward): (chunk, micro-batch)
@@ -170,60 +154,38 @@ def interleaved(p, m, r, v):
 
 
 def plan(name, p, m, r, v=1, train=True):
-    """steps() with their messages: before each step one Exchange that sends what the
-    previous step produced and receives what this one needs, from and to the ranks that hold
-    the neighbouring chunks (a neighbour on this rank needs no message). W needs no message:
-    the W's go before the exchange in front of a forward (the partner is still busy with its
-    own forward), and between the sends and the receive in front of a backward (ZB-H1's
-    cool-down, where they fill the wait for the gradient). train=False: the forwards only.
-
-    Why this pairing cannot deadlock: in 1F1B's steady state rank r has just finished a
-    forward and must send its activation to r+1, while r+1 has just finished a backward and
-    must send a gradient to r. If both sent first and then received, each could wait for
-    the other to post its receive (NCCL's blocking send does). Posting "send activation +
-    receive gradient" together on r, and "send gradient + receive activation" on r+1 (one
-    batch_isend_irecv each), lets both pairs complete at once. simulate() checks, for every
-    schedule, that every exchange completes and that messages between two ranks match in
-    posting order, which is how NCCL and gloo pair them."""
+    """steps() with their messages: before each step one Exchange that sends what the previous
+    step produced and receives what this one needs (messages()). The W's go before the exchange
+    in front of a forward, and between the sends and the receive in front of a backward (ZB-H1's
+    cool-down: they fill the wait). train=False: forwards only. Why it cannot deadlock: in 1F1B's
+    steady state r must send an activation to r+1 while r+1 sends r a gradient; each sending first
+    could wait for the other's receive (NCCL's blocking send does), but "send + receive" posted
+    together on both completes at once. simulate() checks every schedule: every exchange
+    completes, and messages between two ranks match in posting order, as NCCL and gloo pair them."""
     if name == "zbv":
         return vee_plan(p, m, r, train)
-    n, at = p * v, partial(owner, name, p)
-
-    def needs(a):  # [(Message, from rank)] that compute a waits for
-        c = a.chunk - 1 if a.kind == "F" else a.chunk + 1 if a.kind == "B" else -1
-        return [(Message("act" if a.kind == "F" else "grad", c, a.micro), at(c))] if 0 <= c < n and at(c) != r else []
-
-    def makes(a):  # [(Message, to rank)] that compute a produces for another rank
-        c = a.chunk + 1 if a.kind == "F" else a.chunk - 1 if a.kind == "B" else -1
-        return [(Message("act" if a.kind == "F" else "grad", a.chunk, a.micro), at(c))] if 0 <= c < n and at(c) != r \
-            else []
     actions, pending, weights = [], [], []
     for step in steps(name, p, m, r, v):
         step = [a for a in step if train or a.kind == "F"]
         if not step or step[0].kind == "W":
             weights += step
             continue
-        recvs = [x for a in step for x in needs(a)]
+        recvs = [x for a in step for x in messages(name, p, v, a, needs=True)]
         if weights and step[0].kind == "B" and pending:  # the cool-down: B's gradient leaves at once
             actions.append(Exchange(tuple(pending), ()))
             pending = []
         actions += weights + ([Exchange(tuple(pending), tuple(recvs))] if pending or recvs else []) + step
-        weights, pending = [], [x for a in step for x in makes(a)]
+        weights, pending = [], [x for a in step for x in messages(name, p, v, a, needs=False)]
     return actions + ([Exchange(tuple(pending), ())] if pending else []) + weights
 
 
 def vee_plan(p, m, r, train=True):
-    """plan() for ZB-V. In the V two streams share each pair of neighbours in each direction:
-    rank r sends r+1 the activations going down and the gradients coming back up, and it
-    makes the activation of micro-batch 2p-r-2 before the first gradient, while r+1 needs
-    them the other way round. Messages between two ranks match in posting order, so r+1
-    must take that activation early, in the order r sent it, and hold it in the mailbox.
-    When: run every rank's computes on paper at unit costs, each message available from the
-    end of the compute that made it, and post each receive in the exchange before the first
-    compute of the receiver that starts after the message was made (the sender is posting
-    its send then): a receiver takes the messages of one sender in the order they were made.
-    Each compute's message leaves in the exchange right after it. simulate() checks the
-    result at the same strict semantics as the other plans, which hold whatever the costs."""
+    """plan() for ZB-V. Rank r sends r+1 both the activations going down and the gradients coming
+    back up, and makes the activation of micro-batch 2p-r-2 before the first gradient, which
+    r+1 needs the other way round: as messages match in posting order, r+1 takes it early, into
+    its mailbox. Each receive goes in the exchange before the receiver's first compute that
+    starts, on paper at unit costs (vee_times), after the message was made: a receiver takes one
+    sender's messages in the order they were made. simulate() checks it as the other plans."""
     orders, start, made = vee_times(p, m, train)
     mine = sorted((t, msg, src) for msg, (t, src) in made.items() if owner("zbv", p, msg.chunk + (
         1 if msg.kind == "act" else -1)) == r and src != r)
@@ -234,7 +196,7 @@ def vee_plan(p, m, r, train=True):
         if pending or recvs:
             actions.append(Exchange(tuple(pending), recvs))
         actions.append(a)
-        pending = vee_message(p, a, needs=False)
+        pending = messages("zbv", p, 2, a, needs=False)
     return actions + ([Exchange(tuple(pending), ())] if pending else [])
 
 
@@ -249,25 +211,25 @@ def vee_times(p, m, train):
         for s in range(p):
             while pos[s] < len(orders[s]):
                 a = orders[s][pos[s]]
-                need = [made.get(msg, (None,))[0] for msg, _ in vee_message(p, a, needs=True)]
+                need = [made.get(msg, (None,))[0] for msg, _ in messages("zbv", p, 2, a, needs=True)]
                 if None in need:
                     break
                 start[s].append(max([clock[s]] + need))
                 clock[s] = start[s][-1] + 1
-                for msg, _ in vee_message(p, a, needs=False):
+                for msg, _ in messages("zbv", p, 2, a, needs=False):
                     made[msg] = (clock[s], s)
                 pos[s] += 1
     return orders, start, made
 
 
-def vee_message(p, a, needs):
-    """[(Message, rank)] that compute a of ZB-V waits for (needs) or makes for another rank."""
+def messages(name, p, v, a, needs):
+    """[(Message, rank)] that compute a waits for (needs: the activation into a forward, the
+    gradient into a backward) or makes for another rank; none for W, or a neighbour on its rank."""
     step = (-1 if a.kind == "F" else 1) * (1 if needs else -1)
     c = a.chunk + step if a.kind != "W" else -1
-    if not 0 <= c < 2 * p or owner("zbv", p, c) == owner("zbv", p, a.chunk):
+    if not 0 <= c < p * v or owner(name, p, c) == owner(name, p, a.chunk):
         return []
-    msg = Message("act" if a.kind == "F" else "grad", c if needs else a.chunk, a.micro)
-    return [(msg, owner("zbv", p, c))]
+    return [(Message("act" if a.kind == "F" else "grad", c if needs else a.chunk, a.micro), owner(name, p, c))]
 
 # -----------------------------------------------------------------------------
 # the model, cut by depth
@@ -282,9 +244,8 @@ def stage_layers(n_layer, n_chunks, chunk):
 
 
 class Whole:
-    """How a Stage builds and runs its pieces: whole, as model.py does. parallel_nd.py passes its
-    own (tensor parallel's blocks, embedding and head, context parallel's attention, expert
-    parallel's layer), with the same methods."""
+    """How a Stage builds and runs its pieces: whole, as model.py does (parallel_nd.py passes
+    its own: tensor parallel's, with context parallel's attention and the experts' layer)."""
 
     def __init__(self, config, seed):
         self.config, self.seed = config, seed
@@ -298,9 +259,7 @@ class Whole:
 
     def head(self, wte):
         """The last stage's head: the first stage's matrix (one stage: one matrix, two uses, as in
-        GPT), or its own copy of the same init. The two copies stay equal because their
-        gradients are summed before every step (sum_tied_grads), and AdamW then does the same
-        to both."""
+        GPT), or its own copy of the same init, kept equal by sum_tied_grads."""
         head = nn.Linear(self.config.n_embd, self.config.vocab_size, bias=False, device="meta")
         head.weight = wte.weight if wte is not None else \
             nn.Parameter(M.build_unit(self.config, "embed", self.seed).wte.weight.detach())
@@ -323,14 +282,10 @@ class Whole:
 
 
 class Stage(nn.Module):
-    """One rank's chunks of the GPT (r, r+p, ... of p·v; ZB-V: r and 2p-1-r), under the GPT's own
-    parameter names, so that its state_dict is a piece of GPT(config).state_dict() and the
-    pieces of all ranks make the whole, whatever p and v. Every unit is built from the same
-    seed as model.py builds it, by `layers` (Whole; parallel_nd.py's: tensor parallel's). The
-    rank with the first chunk holds the embedding, the one with the last chunk the head (ZB-V:
-    both on rank 0). hooks(before, after): before(unit) is called before a unit ("ends",
-    "head": the ends again, or a block's index) computes, after(unit, x) on its output, which
-    it returns: parallel_nd.py's ZeRO-3 gathers and frees there."""
+    """One rank's chunks of the GPT (chunks_of), under the GPT's parameter names: its state_dict
+    is a piece of GPT(config).state_dict(). Each unit built from model.py's seed by `layers`
+    (Whole). hooks(before, after): before(unit) before a unit ("ends", "head", a block's index)
+    computes, after(unit, x) on its output: parallel_nd.py's ZeRO-3 gathers and frees there."""
 
     def __init__(self, config, stage, n_stages, seed, n_virtual=1, schedule=None, layers=None, recompute="none"):
         super().__init__()
@@ -373,39 +328,26 @@ class Stage(nn.Module):
         return self.layers.loss(self, x, targets)
 
 
-def checkpoint_entries(stage, write=True):
-    """What this stage holds, for model.py's checkpoints: each parameter whole, under
-    its global name. The last stage's copy of the tied matrix is the first stage's
-    "transformer.wte.weight" again: not written (the first stage writes it), but loaded,
-    so a resumed run restores both copies, and their Adam moments, from one tensor.
-    write=False makes every entry a replica another rank saves (3-D: a data parallel copy)."""
-    entries = []
-    for name, p in stage.named_parameters():  # one stage: the tie once, as transformer.wte.weight
-        if name == "lm_head.weight":
-            entries.append(("transformer.wte.weight", p, None, False))
-        else:
-            entries.append((name, p, None, write))
-    return entries
+def checkpoint_entries(stage):
+    """What this stage holds, for model.py's checkpoints: each parameter whole, under its global
+    name. The last stage's copy of the tied matrix is "transformer.wte.weight" again: loaded,
+    not written, so a resumed run restores both copies, and their moments, from one tensor."""
+    return [("transformer.wte.weight", p, None, False) if name == "lm_head.weight" else (name, p, None, True)
+            for name, p in stage.named_parameters()]  # one stage: the tie once, as transformer.wte.weight
 
 # -----------------------------------------------------------------------------
 # the W store: B computes the input's gradient only, W the weights' later
 #
-# A linear layer's backward is two matmuls: the input's gradient dx = dY W, which the previous
-# chunk waits for, and the weight's dW = dYᵀ x, which nobody waits for. When a schedule splits
-# them (zb, zbv), each linear of the stage's blocks computes through DeferredLinear: B returns
-# dx (and the bias's gradient) and leaves (W, x, dY) in the micro-batch's store; W multiplies
-# them out. Between B and W the store holds 7h + 9h numbers a token a layer (w_store_bytes).
+# A linear layer's backward is two matmuls: dx = dY W, which the previous chunk waits for, and
+# dW = dYᵀ x, which nobody waits for. Under zb and zbv each linear of the blocks computes through
+# DeferredLinear: B returns dx (and the bias's gradient) and leaves (W, x, dY) in the
+# micro-batch's store, W multiplies them out (docs/pipeline_parallel.md, "the W store").
 
 
 class DeferredLinear(torch.autograd.Function):
-    """y = x Wᵀ + b, whose backward computes x's gradient and b's, and leaves (param, x, dY)
-    in the store for W (input_grad), instead of computing W's: Megatron's weight-gradient
-    store, and the zero-bubble paper's implementation, do the same. x and weight come in
-    autocast's dtype (deferred_linear casts them); `slot` names the weight's float32 parameter
-    that W adds to (Executor.defer). The weight comes detached: not an input of B's graph.
-    Were it one, autograd would run its gradient hooks in B with no gradient, and data
-    parallelism's buckets, counting the parameters whose gradient is complete, would send it
-    before W had computed it."""
+    """y = x Wᵀ + b; backward: x's and b's gradients, (param, x, dY) left for W (input_grad; `slot`
+    names the param, Executor.defer). The weight comes detached: as an input of B's graph its
+    gradient hooks would run in B, and data parallel's buckets would send it before W computed it."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, slot):
@@ -423,11 +365,9 @@ class DeferredLinear(torch.autograd.Function):
 _backward = None  # the Executor whose backward runs now: input_grad fills its store
 
 
-# B's one side effect, the store's append, is an operator of its own. torch.compile traces the
-# backward above into the compiled graph, where a Python append is a graph break ("unsafe side
-# effect": each linear, and the block around it, back to eager); an operator it calls as it is,
-# when the graph runs. (Each import of this file defines its own: the exercises import a fresh
-# copy, whose executor this one must not look for.)
+# B's one side effect, the store's append, is an operator of its own: in the compiled backward a
+# Python append is a graph break (each linear, and its block, back to eager); an operator runs as
+# it is. (Each import of this file defines its own: the exercises import a fresh copy.)
 @torch.library.custom_op(f"pipeline_parallel_{id(globals())}::input_grad", mutates_args=())
 def input_grad(x: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor, slot: int) -> torch.Tensor:
     """dX = dY W; (x, dY) left in the running backward's store for W. Detached: a store that
@@ -448,9 +388,7 @@ def _(x_shape, dy_shape, weight_shape, slot, out_shape=None, **kw):  # --trace's
 
 def deferred_linear(executor, x, weight, bias=None, slot=None):
     """F.linear(x, weight, bias) through DeferredLinear, into the store of the micro-batch the
-    executor runs (slot: executor.defer(weight)). Under autocast, its inputs cast first as
-    autocast casts F.linear's (the cast's backward brings the bias's gradient back to float32,
-    as in the one-process run)."""
+    executor runs (slot: executor.defer(weight)); under autocast its inputs cast as F.linear's."""
     if executor.store is None:  # a forward without W (evaluation; a plan that does not split)
         return nn.functional.linear(x, weight, bias)
     w, b = weight.detach(), bias  # the weight's gradient is W's: no edge to it in B
@@ -462,10 +400,8 @@ def deferred_linear(executor, x, weight, bias=None, slot=None):
 
 @torch.no_grad()  # x is a tensor of the forward's graph: no graph for its product
 def weight_grads(store):
-    """W: dW = dYᵀ x for each linear of a micro-batch, summed over its tokens, accumulated
-    into .grad as autograd accumulates (backward on the parameters: leaves, so nothing is
-    walked; one engine run for them all, not one a linear), which also runs the gradient
-    hooks a caller may have set (data parallel buckets)."""
+    """W: dW = dYᵀ x for each linear of a micro-batch, into .grad by one autograd run on the
+    parameters (leaves: nothing walked), which runs their gradient hooks too."""
     if store:
         torch.autograd.backward([param for param, _, _ in store],
                                 [(dy.flatten(0, -2).t() @ x.flatten(0, -2)).to(param.dtype) for param, x, dy in store])
@@ -481,14 +417,10 @@ def store_bytes(store):
 
 
 class Executor:
-    """Runs one rank's plan. The pipeline is `group` (None: the whole world): this rank is
-    stage C.get_rank(group) of C.get_world_size(group), so the same code runs one pipeline
-    of a larger mesh. `model` is what computes (the stage, or the stage compiled); act_shape
-    is one micro-batch's activation, (b, s, h), of n_micro. Messages wait in one mailbox,
-    keyed by Message: what a compute produces goes in, what an exchange sends comes out.
-
-    After run(): peak_held, the most (chunk, micro-batch) activations held at once (forward
-    done, weights' gradient not yet), and peak_bytes, the most bytes autograd held for them."""
+    """Runs one rank's plan on the pipeline `group` (None: the world; parallel_nd.py: one
+    pipeline of the mesh). `model` computes (the stage, or the stage compiled); act_shape is one
+    micro-batch's activation. Messages wait in one mailbox, keyed by Message. After run():
+    peak_held, the most (chunk, micro-batch) activations held at once, peak_bytes their bytes."""
 
     def __init__(self, stage, act_shape, n_micro, autocast=nullcontext(), model=None, group=None, armed=()):
         self.stage, self.autocast, self.group = stage, autocast, group
@@ -503,15 +435,13 @@ class Executor:
         self.deferring = False  # the blocks' linears go through deferred_linear
 
     def run(self, actions, batch, train=True, stamps=None):
-        """Execute a plan. batch(m) -> (inputs, targets) of micro-batch m. stamps: a list
-        that gets (M.now(), M.now()) around each compute (CUDA events on a GPU: the CPU
-        does not wait). -> the micro-batches' losses on the last stage, [] elsewhere."""
+        """Execute a plan. batch(m) -> (inputs, targets) of micro-batch m. stamps: a list that gets
+        (M.now(), M.now()) around each compute. -> the micro-batches' losses on the last stage."""
         self.mail, self.held, self.losses = {}, {}, []  # held: (chunk, m) -> (input, output, bytes, W store)
         self.peak_held = self.peak_bytes = 0
         self.split = any(isinstance(a, Compute) and a.kind == "W" for a in actions)  # B leaves the weights' to W
         if self.split and not self.deferring:  # from now on (evaluation too: the same forward)
             self.defer_weight_grads()
-            self.deferring = True
         for a in actions:
             if isinstance(a, Exchange):
                 with M.span(exchange_name(a), comm=True):
@@ -525,13 +455,12 @@ class Executor:
                 stamps.append((start, M.now(self.device)))
         return self.losses
 
-    def defer_weight_grads(self):
-        """Route each linear layer of the stage's blocks through deferred_linear (zb, zbv), as
-        the stage's layers say (Whole.deferred)."""
+    def defer_weight_grads(self):  # each linear of the blocks through deferred_linear, as Whole.deferred says
         for module in self.stage.transformer["h"].modules():
             forward = self.stage.layers.deferred(self, module)
             if forward is not None:
                 module.forward = forward
+        self.deferring = True
 
     def defer(self, weight):
         """-> the slot by which B's store names `weight` (an int: the compiled graph holds it as a constant)"""
@@ -539,10 +468,8 @@ class Executor:
         return len(self.deferred) - 1
 
     def exchange(self, a):
-        """send_forward (an activation to the next chunk's rank), send_backward (a gradient
-        to the previous one), recv_forward, recv_backward: all of an exchange posted together
-        (plan() says why), as one C.sendrecv, or for interleaved's steady state (up to two
-        of each) one C.batch_sendrecv."""
+        """All of an exchange's sends and receives posted together (plan() says why): one
+        C.sendrecv, or for interleaved's steady state (up to two of each) one C.batch_sendrecv."""
         sends = [(self.mail.pop(msg), self.ranks[dst]) for msg, dst in a.sends]
         recvs = [(torch.empty(self.act_shape, dtype=BOUNDARY_DTYPE, device=self.device), self.ranks[src])
                  for _, src in a.recvs]
@@ -576,8 +503,8 @@ class Executor:
         self.peak_bytes = max(self.peak_bytes, sum(h[2] for h in self.held.values()))
 
     def backward(self, a, batch=None, train=True):
-        """The whole backward, or with W split off (zb, zbv) B: the same walk, but the blocks'
-        linears leave their weights' gradients in the micro-batch's store."""
+        """The whole backward, or with W split off B: the blocks' linears leave their weights'
+        gradients in the micro-batch's store."""
         c, k = a.chunk, a.micro
         self.arm(a)
         inp, out, _, store = self.held.pop((c, k))
@@ -595,10 +522,9 @@ class Executor:
             self.count_held()
 
     def arm(self, a):
-        """`armed`: data parallel's gradient messages (ddp.GradBuckets, fsdp.GradReduces), each with
-        a `sync`, set for the last micro-batch's weight gradients only (its backward, or its W):
-        the gradients are complete then, and each message starts as soon as its gradients are
-        (ddp.py's overlap); earlier micro-batches only accumulate."""
+        """`armed`: data parallel's gradient messages (ddp.GradBuckets, fsdp.GradReduces), whose
+        `sync` is set for the last micro-batch's weight gradients only (its backward, or its W):
+        complete then, each starts in backward (ddp.py's overlap); earlier ones accumulate."""
         for x in self.armed:
             x.sync = a.micro == self.n_micro - 1
 
@@ -622,14 +548,10 @@ def exchange_name(a):
 
 
 def sum_tied_grads(stage, group=None):
-    """The first and the last stage of the pipeline `group` each hold a copy of the tied
-    matrix with half its gradient: the embedding's use on the first, the head's on the
-    last. The true gradient is the sum; both copies take it, so the same AdamW step
-    keeps them equal. The two ends swap their halves (one C.sendrecv, V·h each way) and
-    add: g_first + g_last on one end, g_last + g_first on the other, the same bits. A swap,
-    not an all_reduce over a group of the two ends: that group would have to be created by
-    every rank of the world (before torch 2.5 NCCL hung there with 3+ stages); the swap needs
-    no group but the pipeline's, and sends the same bytes."""
+    """The first and the last stage of the pipeline `group` each hold a copy of the tied matrix
+    with half its gradient: both take the sum (a swap of halves, V·h each way, the same bits on
+    both), so AdamW keeps them equal. A swap, not an all_reduce on a group of the two ends: every
+    rank of the world would have to create that group; the swap needs only the pipeline's."""
     ranks = C.group_ranks(group)
     if stage.tied() is None or (stage.first and stage.last):
         return  # one stage, or ZB-V's rank 0: one matrix, whose two uses autograd already summed
@@ -641,11 +563,9 @@ def sum_tied_grads(stage, group=None):
 
 
 def clip_global_norm(stage, max_norm, group=None):
-    """Clip every gradient by the norm of the whole model's: each stage sums the squares
-    of its own gradients (the tied matrix once: on the first stage, not the last stage's
-    copy), and one all_reduce of that float over the pipeline `group` adds them up.
-    The scale is applied on the device, as torch.nn.utils.clip_grad_norm_ does, so the
-    CPU need not wait for the norm. -> the norm, a tensor (0.0 with max_norm=0)."""
+    """Clip every gradient by the whole model's norm: each stage sums its gradients' squares
+    (the tied matrix once: not the last stage's copy), one all_reduce of that float over the
+    pipeline `group` adds them up. -> the norm, a tensor (0.0 with max_norm=0)."""
     if not max_norm:
         return 0.0
     params = list(stage.parameters())
@@ -661,54 +581,31 @@ def clip_global_norm(stage, max_norm, group=None):
 # the run
 
 
-def check_schedule(cfg):
-    """-> v, the chunks a rank holds; or one line and exit on every rank, before any message."""
-    if cfg.schedule not in SCHEDULES:
-        M.die(f"--schedule takes {', '.join(SCHEDULES)}, not {cfg.schedule!r}")
-    if cfg.n_micro < 1:
-        M.die("--n_micro must be at least 1")
-    if cfg.batch_size % cfg.n_micro:
-        M.die(f"--batch_size={cfg.batch_size} does not divide into --n_micro={cfg.n_micro} micro-batches")
-    if cfg.schedule == "interleaved" and cfg.virtual_stages < 1:
-        M.die(f"--virtual_stages must be at least 1, not {cfg.virtual_stages}")
-    return virtual_stages(cfg)
-
-
 def virtual_stages(cfg):
     """v, the chunks a stage holds: --virtual_stages under interleaved, 2 under zbv, else 1."""
     name = getattr(cfg, "schedule", None)
     return cfg.virtual_stages if name == "interleaved" else 2 if name == "zbv" else 1
 
 
-def bubble(name, p, m, v=1):
-    """The idle share of the step at unit costs (F = 1, B = 2 unsplit; F = B = W = 1 split).
-    Interleaved: each of the v·m forwards of a rank is 1/v of a stage's, the fill still p-1
-    of them. ZB-H1 with m < p never reaches its steady state: the first W's have nothing to
-    fill, and p-m more units pass before the last gradient is back. ZB-V, in units of a chunk
-    (half a stage: 6m of work a rank): p-1 idle, half of ZB-H1's in time, once m >= (3p-1)/2;
-    with fewer micro-batches 3p-1-2m more."""
-    if name == "interleaved":
-        return (p - 1) / (v * m + p - 1)
-    if name == "zbv":
-        idle = p - 1 + max(3 * p - 1 - 2 * m, 0)
-        return idle / (6 * m + idle)
-    if name != "zb":
-        return (p - 1) / (m + p - 1)
-    idle = p - 1 + max(p - m, 0)
-    return idle / (3 * m + idle)
-
-
 def main(argv=None):
     cfg = M.parse_args(DEFAULTS, argv, __doc__)
-    v = check_schedule(cfg)
+    if cfg.schedule not in SCHEDULES:  # the flags alone: one line and exit on every rank, before any message
+        M.die(f"--schedule takes {', '.join(SCHEDULES)}, not {cfg.schedule!r}")
+    if cfg.n_micro < 1:
+        M.die("--n_micro must be at least 1")
+    if cfg.schedule == "interleaved" and cfg.virtual_stages < 1:
+        M.die(f"--virtual_stages must be at least 1, not {cfg.virtual_stages}")
+    if cfg.batch_size % cfg.n_micro:
+        M.die(f"--batch_size={cfg.batch_size} does not divide into --n_micro={cfg.n_micro} micro-batches")
+    v = virtual_stages(cfg)
     run = M.start(cfg, "pipeline")
     rank, device, config = run.rank, run.device, run.config
     group = None  # the whole world is one pipeline; parallel_nd.py runs these pieces on a sub-group
     n_stages, me = C.get_world_size(group), C.get_rank(group)
     last_rank = C.group_ranks(group)[owner(cfg.schedule, n_stages, n_stages * v - 1)]  # the loss's: ZB-V's rank 0
     if n_stages * v > config.n_layer:
-        what = f"{n_stages} stages x {v} chunks" if v > 1 else f"{n_stages} stages"
-        M.die(f"{what} but the model has {config.n_layer} blocks: each {'chunk' if v > 1 else 'stage'} needs at least one")
+        M.die(f"{n_stages} stages{f' x {v} chunks' if v > 1 else ''} but the model has {config.n_layer} blocks: "
+              f"each {'chunk' if v > 1 else 'stage'} needs at least one")
     if cfg.schedule == "interleaved" and cfg.n_micro % n_stages:  # Megatron's: the micro-batches go p at a time
         M.die(f"--schedule=interleaved needs --n_micro ({cfg.n_micro}) divisible by the {n_stages} stages")
     n_micro = cfg.n_micro
@@ -722,7 +619,10 @@ def main(argv=None):
     executor = Executor(stage, act_shape, n_micro, run.autocast, torch.compile(stage) if cfg.compile else None, group)
     train_plan, eval_plan = (plan(cfg.schedule, n_stages, n_micro, me, v, train) for train in (True, False))
     if rank == 0:
-        print_layout(cfg, config, n_stages, v, act_shape)
+        blocks = [len(stage_layers(config.n_layer, n_stages * v, c)) for c in range(n_stages * v)]
+        print(f"pipeline: {n_stages} stages{f' x {v} chunks' if v > 1 else ''} with {blocks} blocks, schedule "
+              f"{cfg.schedule}, {n_micro} micro-batches of {act_shape[0]} x {config.block_size} tokens, "
+              f"{M.param_count(config) / 1e6:.2f}M parameters, bubble {bubble(cfg.schedule, n_stages, n_micro, v):.1%}")
 
     @torch.no_grad()
     def evaluate():
@@ -764,13 +664,27 @@ def main(argv=None):
 # instruments: the simulator, the measured bubble, the timeline
 
 
+def bubble(name, p, m, v=1):
+    """The idle share of the step at unit costs (F = 1, B = 2 unsplit; F = B = W = 1 split):
+    (p-1)/(m+p-1); interleaved's v·m forwards of 1/v a stage; ZB-H1's 3m of work, with p-m more
+    idle if m < p; ZB-V's 6m in chunk units (half a stage), 3p-1-2m more idle if m < (3p-1)/2."""
+    if name == "interleaved":
+        return (p - 1) / (v * m + p - 1)
+    if name == "zbv":
+        idle = p - 1 + max(3 * p - 1 - 2 * m, 0)
+        return idle / (6 * m + idle)
+    if name != "zb":
+        return (p - 1) / (m + p - 1)
+    idle = p - 1 + max(p - m, 0)
+    return idle / (3 * m + idle)
+
+
 def simulate(name, p, m, v=1, cost=None, train=True):
-    """Execute every rank's plan on paper, all together: a compute takes its cost (default
-    F = 1 and B = 2, or B = W = 1 when the schedule splits them), a message nothing, and an
-    exchange completes only once the other end of each of its messages has been posted (the
-    strictest semantics, so what completes here completes on NCCL and gloo). Messages
-    between two ranks match in posting order. Returns each rank's timeline
-    [(Compute, start, end)]; raises if messages mismatch or the ranks deadlock."""
+    """Execute every rank's plan on paper, all together: a compute takes its cost (default F = 1
+    and B = 2, or B = W = 1 split), a message nothing; an exchange completes once the other end of
+    each of its messages is posted (the strictest semantics: what completes here completes on
+    NCCL and gloo), messages between two ranks matched in posting order. -> each rank's
+    timeline [(Compute, start, end)]; raises if messages mismatch or the ranks deadlock."""
     plans = [plan(name, p, m, r, v, train) for r in range(p)]
     split = any(isinstance(a, Compute) and a.kind == "W" for pl in plans for a in pl)
     cost = cost or dict(F=1, B=1 if split else 2, W=1)
@@ -839,10 +753,9 @@ def max_held(actions):
 
 
 def draw(timelines, width):
-    """One text line per rank, `width` columns over the span: F, B or W where one runs
-    (f, b, w: a chunk of the rank's but its first, as ZB-V's way back up), '.' where the
-    rank waits. Every action gets a column of its own at least (a measured W shorter than
-    half a column would otherwise vanish, or be drawn over by the next action)."""
+    """One text line per rank, `width` columns over the span: F, B or W where one runs (f, b, w:
+    a chunk of the rank's but its first, as ZB-V's way back up), '.' where it waits. Every
+    action gets a column at least (a measured W shorter than half a column would vanish)."""
     t0 = min(t[0][1] for t in timelines)
     dt = (max(t[-1][2] for t in timelines) - t0) / width
     lines = []
@@ -863,14 +776,6 @@ def paper_width(name, p, m, v=1):
     return round(max(x[-1][2] for x in t) - min(x[0][1] for x in t))
 
 
-def print_layout(cfg, config, n_stages, v, act_shape):
-    blocks = [len(stage_layers(config.n_layer, n_stages * v, c)) for c in range(n_stages * v)]
-    print(f"pipeline: {n_stages} stages{f' x {v} chunks' if v > 1 else ''} with {blocks} blocks, "
-          f"schedule {cfg.schedule}, "
-          f"{cfg.n_micro} micro-batches of {act_shape[0]} x {config.block_size} tokens, "
-          f"{M.param_count(config) / 1e6:.2f}M parameters, bubble {bubble(cfg.schedule, n_stages, cfg.n_micro, v):.1%}")
-
-
 def print_timeline(name, p, m, v, measured):
     """The plan of every rank, its timeline on paper, and the measured one."""
     width = paper_width(name, p, m, v)
@@ -885,10 +790,8 @@ def print_timeline(name, p, m, v, measured):
 
 
 def action_times(stamps, device):
-    """The stamps of one step as (start, end) in seconds of the wall clock, which is
-    common to the ranks (and, NTP-synchronized, roughly to the machines). On a GPU a
-    stamp is a CUDA event, recorded without waiting; they are read here, once, at the
-    end of the step: wait for one last event, read the clock, date each event back."""
+    """The stamps of one step as (start, end) in seconds of the wall clock, common to the ranks:
+    on a GPU CUDA events, read once at the step's end (wait for one last, date each back)."""
     last = M.now(device)
     M.elapsed(last, last)  # the step's one wait for the device (end_iter would wait here anyway)
     wall = time.time()
@@ -896,9 +799,8 @@ def action_times(stamps, device):
 
 
 def idle_fraction(times, device, group=None):
-    """The share of the step this stage waited: 1 - busy / span, the span being the whole
-    pipeline's (the first compute anywhere to the last anywhere), agreed on by one
-    all_reduce(max) of two numbers over `group`. Bookkeeping, not training traffic."""
+    """The share of the step this stage waited: 1 - busy / span, the span the whole pipeline's,
+    agreed on by one all_reduce(max) of two numbers over `group` (bookkeeping, untracked)."""
     edges = torch.tensor([-times[0][0], times[-1][1]], dtype=torch.float64, device=device)
     with C.untracked():
         C.all_reduce(edges, op="max", group=group)
@@ -920,13 +822,10 @@ def gather_timelines(times, name, n_micro, v, device, group=None):
 
 
 def activation_per_rank(config, cfg, world):
-    """The bytes held for backward on each stage at its peak (the log's act_bytes), one
-    pipeline of `world` stages: along the rank's actions (held_bytes), each (chunk,
-    micro-batch) from its forward to its backward holds what autograd keeps for the chunk's
-    blocks (model.activation_bytes), and for the embedding (chunk 0) and the head (the last
-    chunk); with W split off, from B to W the store's w_store_bytes. So GPipe holds m
-    micro-batches, 1F1B min(p - r, m), ZB-H1 min(p, m) (max_held), ZB-V 2p chunks of half a
-    stage: p stages' worth, at most, 1F1B's first stage's on every rank."""
+    """The bytes held for backward on each stage at its peak (the log's act_bytes), one pipeline
+    of `world` stages: along the rank's actions each (chunk, micro-batch) holds from its forward
+    what autograd keeps for its blocks and ends (model.activation_bytes, ends_bytes), and with W
+    split off, from B to W, the store's w_store_bytes."""
     d = 2 if cfg.dtype == "bfloat16" else 4
     n, v = cfg.batch_size // cfg.n_micro * config.block_size, virtual_stages(cfg)
     layers = lambda c: len(stage_layers(config.n_layer, world * v, c))  # noqa: E731
@@ -934,38 +833,29 @@ def activation_per_rank(config, cfg, world):
     def forward(c):
         return (M.activation_bytes(config, n, getattr(cfg, "recompute", "none"), dtype_bytes=d, layers=layers(c))
                 + M.ends_bytes(config, n, config.block_size, embed=c == 0, head=c == world * v - 1, dtype_bytes=d))
-    return [held_bytes(schedule(cfg.schedule, world, cfg.n_micro, r, v), forward,
-                       lambda c: w_store_bytes(config, n, layers(c), d)) for r in range(world)]
+    out = []
+    for r in range(world):
+        actions, held, peak = schedule(cfg.schedule, world, cfg.n_micro, r, v), {}, 0
+        split = any(a.kind == "W" for a in actions)
+        for a in actions:
+            if a.kind == "F" or (a.kind == "B" and split):
+                held[a.chunk, a.micro] = forward(a.chunk) if a.kind == "F" else w_store_bytes(config, n, layers(a.chunk), d)
+            else:
+                del held[a.chunk, a.micro]
+            peak = max(peak, sum(held.values()))
+        out.append(peak)
+    return out
 
 
-def w_store_bytes(config, tokens, layers, dtype_bytes=4, tp=1):
+def w_store_bytes(config, tokens, layers, dtype_bytes=4):
     """What a micro-batch's W store holds between B and W: each linear's input and its
     output's gradient, 7h + 9h numbers a token a layer, in the autocast dtype."""
-    return layers * tokens * 16 * config.n_embd * dtype_bytes // tp
-
-
-def held_bytes(actions, forward, store):
-    """The most bytes a rank holds at once along its compute actions: forward(chunk) from a
-    forward to its backward (B), then store(chunk) to W when W is split off."""
-    split = any(a.kind == "W" for a in actions)
-    held, peak = {}, 0
-    for a in actions:
-        key = a.chunk, a.micro
-        if a.kind == "F":
-            held[key] = forward(a.chunk)
-        elif a.kind == "B" and split:
-            held[key] = store(a.chunk)
-        else:
-            del held[key]
-        peak = max(peak, sum(held.values()))
-    return peak
+    return layers * tokens * 16 * config.n_embd * dtype_bytes
 
 
 def traffic_per_rank(config, cfg, world):
-    """Bytes a rank sends per step, on average over the p ranks: 2·B·s·h activations and their
-    gradients across each of the p·v-1 chunk boundaries (ZB-V: p·v-2), float32 under bf16 too
-    (BOUNDARY_DTYPE); V·h floats of the tied matrix's gradient from each end (none with ZB-V);
-    the norm's float, all-reduced (docs/formulas.md)."""
+    """Bytes a rank sends per step, on average over the p ranks: 2·B·s·h float32 across each of
+    the p·v-1 boundaries (ZB-V: p·v-2), V·h floats from each end of the tie (not ZB-V), the norm."""
     if world == 1:
         return 0
     vee = getattr(cfg, "schedule", "1f1b") == "zbv"  # its chunks p-1 and p share a rank, and so do both ends of the tie
