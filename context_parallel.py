@@ -53,13 +53,11 @@ LAYOUTS = ("contiguous", "zigzag")
 # -----------------------------------------------------------------------------
 # the layout: which positions each rank holds
 #
-# Under the causal mask, with contiguous positions (rank r holds [r·s/N, (r+1)·s/N)),
-# rank 0 attends to one block and rank N-1 to N: the last rank does N times the first's
-# work, and everyone waits for it. Zigzag cuts the sequence into 2N chunks and gives
-# rank r chunks r and 2N-1-r (an early and a late one), so every rank does the diagonal
-# plus half of each other block: the same work everywhere (the load-balanced layout of
-# Llama 3's context parallelism, Dubey et al. 2024, which all-gathers K and V instead
-# of passing them round a ring, and of zhuzilin's ring-flash-attention).
+# Under the causal mask, with contiguous positions rank 0 attends to one block and rank
+# N-1 to N: everyone waits for the last rank. Zigzag gives rank r chunks r and 2N-1-r of
+# 2N (an early and a late one): every rank does the diagonal plus half of each other
+# block, the same work (the layout of Llama 3's context parallelism, Dubey et al. 2024,
+# and of zhuzilin's ring-flash-attention).
 
 
 def positions(block_size, me, n, layout, device="cpu"):
@@ -90,8 +88,8 @@ def block_plan(me, owner, n, layout, length):
 # ring attention
 #
 # The ring's loops; the math of one block (attend, merge, attend_backward) follows them.
-# clock(kind) times a span ("attn": attention compute, "wait": waiting for a block) for
-# the log; Clock, after main(), is the one main uses, untimed() the one for everyone else.
+# clock(kind) times a span ("attn": compute, "wait": waiting for a block) for the log:
+# Clock, after main(), in main; untimed() for everyone else.
 
 
 class Ring:
@@ -261,14 +259,11 @@ def attend_backward(q, k, v, dout, lse, delta, scale, causal):
 # -----------------------------------------------------------------------------
 # Ulysses: the heads travel instead of the keys (DeepSpeed-Ulysses, Jacobs et al. 2023)
 #
-# Attention is the only place where a position needs the others, and every head is
-# independent. So for the length of attention, swap what is split: one all-to-all turns
-# "my s/N positions, all H heads" into "every position, my H/N heads", each rank runs
-# ordinary attention on whole sequences, and a second all-to-all turns the output back.
-# Backward is autograd's: C.all_to_all_rows sends the gradients back the way they came,
-# through the reshapes around it. The attention in between can be any kernel; here it is
-# the ring's own math on a ring of one, the one-process run's, so that the bench compares
-# the messages, not two kernels.
+# Every head is independent, so for the length of attention swap what is split: one
+# all-to-all turns "my s/N positions, all H heads" into "every position, my H/N heads",
+# and a second turns the output back. Backward is autograd's (C.all_to_all_rows sends the
+# gradients back the way they came). The attention in between could be any kernel; here
+# it is the ring's own math on a ring of one, so that the bench compares the messages.
 
 
 def seq_to_heads(x, ring):
@@ -463,14 +458,10 @@ def activation_per_rank(config, cfg, world):
 
 
 def traffic_per_rank(config, cfg, world):
-    """Bytes a rank sends per optimizer step (docs/context_parallel.md, "What each sends"), with
-    b rows, s tokens, h = n_embd, L layers, a = 4 bytes in float32 or 2 in bfloat16:
-      ring     L·(N-1)·2·b·(s/N)·h · (a forward + a + 4 backward): K and V hop N-1 times each
-               way, their gradients in float32 (the forward again under --recompute=full)
-      ulysses  L·(N-1)/N·4·b·(s/N)·h·a each way: q, k, v and the output (the forward again too)
-      both     2(N-1)/N·4Ψ: one ring all-reduce of the gradients
-    The attention terms are exact on every rank; the all-reduce's is exact when N divides Ψ,
-    else the mean over ranks (the ring's chunks differ by an element)."""
+    """Bytes a rank sends per optimizer step (docs/context_parallel.md, "What each sends", derives
+    it): ring L·(N-1)·2·b·(s/N)·h·(2a + 4), ulysses 8(N-1)/N²·L·b·s·h·a (each plus the forward's
+    share again under --recompute=full), and 2(N-1)/N·4Ψ for the gradients' ring all-reduce (the
+    mean over ranks when N does not divide Ψ), with a = 4 bytes in float32 or 2 in bfloat16."""
     if world == 1:
         return 0
     b, s, h, L = cfg.batch_size, config.block_size, config.n_embd, config.n_layer

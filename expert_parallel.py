@@ -305,25 +305,20 @@ def moe_stats(run, model, local):
 
 
 def exchange_bytes(config, cfg, world, sent=None, received=None):
-    """Bytes a rank sends per step at the MoE layers. sent, received: the rows this rank
-    dispatched to other ranks' experts and received from them in the step's forward, summed
-    over the layers: then it is exact; without them, the expectation under uniform routing
-    (the allgather dispatch's is exact). A rank routes n = b·s/N tokens to k experts at each
+    """Bytes a rank sends per step at the MoE layers (docs/expert_parallel.md). sent, received:
+    the rows this rank dispatched to other ranks' experts and received from them in the step's
+    forward, summed over the layers: then it is exact; without them, the expectation under
+    uniform routing (allgather's is exact). A rank routes n = b·s/N tokens to k experts at each
     of L layers; rows are h wide, `act` bytes a number (4; 2 under bf16, as the rows travel).
-      alltoall   the counts' all-gather, (N-1)·E·k·8 (int64), and four all-to-alls (dispatch
-                 and combine, forward and backward), each sending what this rank sends others
-                 or what it received from them: 2·(sent + received)·h·act. Uniform routing
-                 keeps 1/N of the n·k choices home: 4(N-1)/N·n·k·h·act.
-      allgather  the all-gather of the n·k choices, (N-1)·n·k·8, of the n tokens,
-                 (N-1)·n·h·act, the reduce-scatter of the outputs, (N-1)·n·k·h·act, and
-                 backward the pair reversed: 2(N-1)·n·h·act·(1+k) + (N-1)·n·k·8, N(1+k)/(2k)
-                 times the all-to-all's (3x at N = 4, k = 2), growing with N.
-    --recompute=full reruns each block's forward in backward up to the router weights'
-    product with the combined outputs (torch's checkpoint stops there): every exchange of
-    the layer's forward again (alltoall: (N-1)·E·k·8 + (sent + received)·h·act; allgather:
-    (N-1)·n·k·8 + (N-1)·n·(1 + k)·h·act; the logged rows are the forward's, counted once).
-    --capacity_factor applies GShard's drop rule to the global micro-batch, so N ranks drop
-    what one process would."""
+      alltoall   the counts' all-gather, (N-1)·E·k·8 (int64), and dispatch and combine forward
+                 and backward, each sending what this rank sends others or received from them:
+                 2·(sent + received)·h·act; uniform routing keeps 1/N home: 4(N-1)/N·n·k·h·act
+      allgather  the all-gather of the n·k choices, (N-1)·n·k·8, and of the n tokens,
+                 (N-1)·n·h·act, the outputs' reduce-scatter, (N-1)·n·k·h·act, and backward the
+                 pair reversed: N(1+k)/(2k) times the all-to-all's, growing with N.
+    --recompute=full reruns every exchange of each layer's forward in backward (torch's checkpoint
+    stops at the router weights' product with the combined outputs; the logged rows are the
+    forward's, counted once). --capacity_factor drops what one process would (the global rule)."""
     L, E, k, h, N = config.n_layer, config.n_expert, config.top_k, config.n_embd, world
     n = cfg.batch_size // N * config.block_size  # tokens a rank routes at each layer
     act = 2 if cfg.dtype == "bfloat16" else 4
@@ -342,19 +337,17 @@ def activation_per_rank(config, cfg, world, rows=None, kept=None):
     (the log's expert_load), kept: the choices of this rank's tokens their experts kept (L·n·k
     less the log's dropped_tokens), both summed over the layers: then it is exact in float32;
     without them, the expectation under uniform routing. One process (ddp.py --n_expert)
-    keeps the same, with rows = kept. With B = b/N sequences, n, h, E, k, d as in
-    exchange_bytes, a layer keeps the dense block's attention half and LayerNorms, and:
+    keeps the same, with rows = kept. B = b/N sequences, n, h, E, k, d as in exchange_bytes.
+    A layer keeps the dense block's attention half and LayerNorms, and:
       per token   the router's input (d·h), its float32 softmax (4E), the top-k indices (8k)
                   and weights (4k; for k > 1 also their sum and the renormalized ones, 4 + 4k),
-                  and the k expert outputs the weighted sum reads (k·d·h)
-      per layer   the balance loss's choice shares f, B·E floats
-      per kept choice of this rank's tokens (alltoall)  the gather's index (8), and
-                  scatter_choices' index (8) and rows (d·h)
+                  and the k expert outputs the weighted sum reads (k·d·h); per layer the
+                  balance loss's choice shares f, B·E floats
+      per kept choice of this rank's tokens  the gather's index (8), scatter_choices' index
+                  (8) and rows (d·h); allgather: the gather's index and rows per expert row
+                  (8 + d·h), and scatter_choices' index over every rank's kept choices (8 each)
       per expert row on this rank  the dense MLP's 9dh a token (gelu: 5dh)
-    --dispatch=allgather instead keeps the gather's index and rows, 8 + d·h an expert row, and
-    scatter_choices' index: a slice of the whole batch's kept choices, whose storage is all of
-    them, so kept counts every rank's (8 each). The exchanges keep nothing. full: each block's
-    input, d·h a token, as every strategy."""
+    The exchanges keep nothing. full: each block's input, d·h a token, as every strategy."""
     L, E, k, h, N = config.n_layer, config.n_expert, config.top_k, config.n_embd, world
     dtype = M.auto_dtype() if cfg.dtype == "auto" else cfg.dtype
     B, s, d = cfg.batch_size // N, config.block_size, 2 if dtype == "bfloat16" else 4

@@ -48,11 +48,9 @@ DEFAULTS = dict(
 # -----------------------------------------------------------------------------
 # f and g: where a parallel region starts and ends (the names of Megatron's mappings.py)
 #
-# Each takes the group it runs on and does nothing on a group of one. Every f stands in
-# front of a matmul, and it is where activations start to travel (their gradient
-# backward; with sequence parallelism the activations too), so it casts its input to
-# the matmul's dtype first: bf16 under autocast, as the matmul would cast it anyway. The
-# numbers are the one-process run's, and f moves bf16, not LayerNorm's float32.
+# Each takes its group and does nothing on a group of one. Every f stands in front of a
+# matmul and casts its input to the matmul's dtype first (bf16 under autocast, as the
+# matmul would): the numbers are the one-process run's, and f moves bf16, not float32.
 
 
 class _CopyToParallelRegion(torch.autograd.Function):
@@ -121,9 +119,8 @@ def reduce_scatter_to_sequence_parallel_region(x, group=None):
 
 def region_ops(sp):
     """(f, g): the plain pair, or sequence parallelism's."""
-    if sp:
-        return gather_from_sequence_parallel_region, reduce_scatter_to_sequence_parallel_region
-    return copy_to_parallel_region, reduce_from_parallel_region
+    return ((gather_from_sequence_parallel_region, reduce_scatter_to_sequence_parallel_region) if sp
+            else (copy_to_parallel_region, reduce_from_parallel_region))
 
 
 def as_matmul_input(x):
@@ -134,12 +131,11 @@ def as_matmul_input(x):
 # -----------------------------------------------------------------------------
 # the parallel layers, cut from model.py's full units
 #
-# nn.Linear stores W as (out_features, in_features) and computes x W^T. Megatron's
-# names come from Y = X A with A = W^T: "column-parallel" splits A's columns, the
-# output features (W's dim 0); "row-parallel" splits A's rows, the input features
-# (W's dim 1). Every sharded parameter carries `tp_index`, the part of the global
-# tensor it holds, in the checkpoint's terms: (dim, start, stop), or for c_attn a list
-# of three such slices (this rank's q, k and v rows).
+# Megatron's names come from Y = X A with A = W^T (nn.Linear stores W as (out, in)):
+# "column-parallel" splits the output features (W's dim 0), "row-parallel" the input
+# features (W's dim 1). Every sharded parameter carries `tp_index`, its part of the
+# global tensor in the checkpoint's terms: (dim, start, stop), or for c_attn a list of
+# three (this rank's q, k and v rows).
 
 
 class ColumnParallelLinear(nn.Module):
@@ -264,17 +260,13 @@ def sharded_param(full, dim, group, parts=1):
 # -----------------------------------------------------------------------------
 # the model: each rank's slice of model.GPT(config, seed)
 #
-# What it buys: each rank holds 1/N of the parameters, gradients and Adam state, and 1/N
-# of the activations inside the regions (Korthikanti et al. 2022: s·b·h(10 + 24/N +
-# 5as/(hN)) bytes a layer instead of s·b·h(34 + 5as/h), 16-bit, a heads).
-#
-# Layout. The residual stream is (s, b, h), sequence first, as in Megatron: a rank's
-# sequence-parallel positions are one contiguous block of rows, so the all-gathers and
-# reduce-scatters need no copies and no transposes.
-#
+# Each rank holds 1/N of the parameters, gradients and Adam state, and 1/N of the
+# activations inside the regions (docs/formulas.md). The residual stream is (s, b, h),
+# sequence first, as in Megatron: a rank's sequence-parallel positions are one block of
+# rows, so the all-gathers and reduce-scatters need no copies and no transposes.
 # Dropout (0 by default): every rank draws from one seed, so the replicated regions'
-# masks agree and the replicas stay equal, but inside a region the ranks' heads draw the
-# same masks; Megatron forks a per-rank generator there.
+# masks agree, but inside a region the ranks' heads draw the same masks (Megatron forks
+# a per-rank generator there).
 
 
 def parallel_block(block, group=None, sp=False, moe=None):
@@ -333,9 +325,7 @@ def embed_forward(wte, wpe, idx, group=None, sp=False, dropout=0.0, training=Fal
 
 
 def block_forward(block, x):
-    """model.Block.forward in the (s, b, h) layout. Its parallel layers hold their f and
-    g: 2 all-reduces of b·s·h forward (the g's in c_proj) and 2 backward (the f's in
-    c_attn and c_fc); with sequence parallelism each is a reduce-scatter and an all-gather."""
+    """model.Block.forward in the (s, b, h) layout; its parallel layers hold their f and g."""
     x = x + attention(block.attn, block.ln_1(x))
     return x + block.mlp(block.ln_2(x))
 
@@ -458,40 +448,33 @@ def main(argv=None):
 def activation_per_rank(config, cfg, world):
     """The bytes autograd keeps between forward and backward on a rank (the log's act_bytes):
     the blocks' (model.activation_bytes, split by the heads and MLP columns, and with
-    sequence parallelism by the positions), plus the ends'. The embedding keeps its local
-    ids (int64) and the mask of ids outside its rows (bool), and the positions; the head
-    ln_f's input and statistics (1/N of them under sequence parallelism), the matmul's
-    input (after f: every position), and the vocabulary-parallel loss its (b·s, V/N)
-    float32 softmax, the local target ids and their mask."""
+    sequence parallelism by the positions), plus the ends'."""
     dtype = M.auto_dtype() if cfg.dtype == "auto" else cfg.dtype
     d, h, n, s = (2 if dtype == "bfloat16" else 4), config.n_embd, cfg.batch_size * config.block_size, config.block_size
     sp, t = cfg.sequence_parallel, world
     blocks = M.activation_bytes(config, n, getattr(cfg, "recompute", "none"), t, sp, dtype_bytes=d)
     cut = t if sp else 1  # the positions' share outside the regions
-    embed = n * (8 + 1) + 8 * s // cut
+    embed = n * (8 + 1) + 8 * s // cut  # the local ids (int64) and their outside mask (bool); the positions
+    # ln_f's input and statistics (1/N under sequence parallelism), the matmul's input (after f:
+    # every position), the loss's (b·s, V/N) float32 softmax, the local target ids and their mask
     head = n * (d * h + 8) // cut + n * d * h + n * (4 * config.vocab_size // t + 8 + 1)
     return blocks + embed + head
 
 
 def traffic_per_rank(config, cfg, world):
-    """Bytes a rank sends per step, on average over the ranks (docs/tensor_parallel.md). An
-    all-reduce of S bytes sends 2(N-1)/N·S a rank (the ring's; collectives.py's tree for small
-    messages sends the same total, unevenly: the tests count both exactly). With b·s tokens,
-    h = n_embd, L layers and d the compute dtype's bytes, what is all-reduced:
-      blocks     2 g's forward, 2 f's backward, b·s·h each: 4L, in the compute dtype
-                 (--recompute=full reruns each block's forward up to the last tensor backward
-                 reads, torch's checkpoint "early stop": the last g is not sent again, so 5L;
-                 with sequence parallelism 5.5L, the attention's all-gather and reduce-scatter
-                 and the MLP's all-gather again)
-      head       its f, backward: 1 more, in the compute dtype (f casts its input first)
-      embedding  its g, forward: b·s·h float32 rows, as the one-process run keeps them
-      loss       3 all-reduces of b·s float32 numbers (max, target logit, sum of exp)
-      norm       the squared gradient norm, 1 float
-    so  2(N-1)/N · b·s·h · ((4L + 1)·d + 4)  +  3 · 2(N-1)/N · b·s·4  +  2(N-1)/N · 4.
+    """Bytes a rank sends per step, on average over the ranks (docs/tensor_parallel.md):
+    2(N-1)/N · b·s·h · ((4L + 1)·d + 4) + 3 · 2(N-1)/N · b·s·4 + 2(N-1)/N · 4, from all-reduces
+    (2(N-1)/N·S a rank for S bytes; collectives.py's tree for small messages sends the same
+    total, unevenly) of: per block 2 g's forward and 2 f's backward of b·s·h in the compute
+    dtype (d bytes); the head's f backward (d: f casts first); the embedding's g forward
+    (float32 rows); the loss's 3 of b·s float32 (max, target logit, sum of exp); the norm's 1.
+    --recompute=full reruns each block's forward up to the last tensor backward reads (torch's
+    checkpoint "early stop": the last g is not sent again): 5L, and 5.5L with sequence
+    parallelism (the attention's all-gather and reduce-scatter and the MLP's all-gather again).
     --sequence_parallel: each all-reduce becomes a reduce-scatter plus an all-gather, the same
-    bytes; and the replicas (LayerNorms, row-parallel biases, ln_f, wpe), which now see only
-    their rank's positions, have their gradients all-reduced in float32: 2(N-1)/N · (6Lh + 2h
-    + block_size·h) · 4 more (2Lh + h + block_size·h without biases)."""
+    bytes; and the replicas (LayerNorms, row-parallel biases, ln_f, wpe) saw only their rank's
+    positions: their gradients all-reduced in float32, 2(N-1)/N · (6Lh + 2h + block_size·h) · 4
+    more (2Lh + h + block_size·h without biases)."""
     dtype = M.auto_dtype() if cfg.dtype == "auto" else cfg.dtype
     d = 2 if dtype == "bfloat16" else 4
     ar = 2 * (world - 1) / world  # an all-reduce, or a reduce-scatter plus an all-gather
