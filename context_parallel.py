@@ -50,15 +50,13 @@ DEFAULTS = dict(
 )
 LAYOUTS = ("contiguous", "zigzag")
 
-# -----------------------------------------------------------------------------
-# the layout: which positions each rank holds
+# ----------------------------------------------------------------------------- the layout: the positions each rank holds
 #
 # Under the causal mask, with contiguous positions rank 0 attends to one block and rank
 # N-1 to N: everyone waits for the last rank. Zigzag gives rank r chunks r and 2N-1-r of
 # 2N (an early and a late one): every rank does the diagonal plus half of each other
 # block, the same work (the layout of Llama 3's context parallelism, Dubey et al. 2024,
 # and of zhuzilin's ring-flash-attention).
-
 
 def positions(block_size, me, n, layout, device="cpu"):
     """The GLOBAL positions of rank `me` of `n`, ascending: contiguous, one chunk of
@@ -84,13 +82,11 @@ def block_plan(me, owner, n, layout, length):
         return every, half[0], False
     return half[1], every, False  # my late chunk comes after both of its chunks; my early chunk before
 
-# -----------------------------------------------------------------------------
-# ring attention
+# ----------------------------------------------------------------------------- ring attention
 #
 # The ring's loops; the math of one block (attend, merge, attend_backward) follows them.
 # clock(kind) times a span ("attn": compute, "wait": waiting for a block) for the log:
 # Clock, after main(), in main; untimed() for everyone else.
-
 
 class Ring:
     """The ranks that share one sequence, in ring order: whom this rank sends to (next)
@@ -215,14 +211,12 @@ def untimed(kind):
 def ring_attention(q, k, v, ring, clock=None):
     return RingAttention.apply(q, k, v, ring, clock or untimed)
 
-# -----------------------------------------------------------------------------
-# one block of attention, forward and backward, in float32
+# ----------------------------------------------------------------------------- one block's attention, forward and backward
 #
 # This is a teaching implementation: each block's scores come from plain float32
 # matmuls. On a GPU one would call a flash-attention kernel that returns the log-sum-exp
 # with the output (flash_attn's _flash_attn_forward, or torch's
 # _scaled_dot_product_flash_attention) and its backward kernel, and merge the same way.
-
 
 def attend(q, k, v, scale, causal):
     """Softmax attention of q on one block of keys and values alone.
@@ -256,15 +250,12 @@ def attend_backward(q, k, v, dout, lse, delta, scale, causal):
     ds = p * (torch.matmul(dout, v.transpose(-2, -1)) - delta.unsqueeze(-1))  # softmax's Jacobian
     return torch.matmul(ds, k) * scale, torch.matmul(ds.transpose(-2, -1), q) * scale, dv
 
-# -----------------------------------------------------------------------------
-# Ulysses: the heads travel instead of the keys (DeepSpeed-Ulysses, Jacobs et al. 2023)
+# ----------------------------------------------------------------------------- Ulysses: the heads travel instead of the keys
 #
-# Every head is independent, so for the length of attention swap what is split: one
-# all-to-all turns "my s/N positions, all H heads" into "every position, my H/N heads",
-# and a second turns the output back. Backward is autograd's (C.all_to_all_rows sends the
-# gradients back the way they came). The attention in between could be any kernel; here
-# it is the ring's own math on a ring of one, so that the bench compares the messages.
-
+# DeepSpeed-Ulysses (Jacobs et al. 2023): for the length of attention, swap what is split
+# (the module docstring). Backward is autograd's: C.all_to_all_rows sends the gradients back
+# the way they came. The attention in between could be any kernel; here it is the ring's own
+# math on a ring of one, so that the bench compares the messages.
 
 def seq_to_heads(x, ring):
     """(..., H, s/N, D) at my positions -> (..., H/N, s, D): my heads, every position in order."""
@@ -313,9 +304,7 @@ def ulysses_attention(q, k, v, ring, clock=None):
 
 ATTENTION = dict(ring=ring_attention, ulysses=ulysses_attention)
 
-# -----------------------------------------------------------------------------
-# the model on a rank's positions
-
+# ----------------------------------------------------------------------------- the model on a rank's positions
 
 def use_ring(model, ring, clock=None, attention="ring"):
     """Point every block's attention at the ring: model.CausalSelfAttention runs as it is
@@ -410,9 +399,7 @@ def main(argv=None):
                    attn_ms=ms["attn"], attn_wait_ms=ms["wait"])
     return M.finish(run)
 
-# -----------------------------------------------------------------------------
-# the clock and the bytes
-
+# ----------------------------------------------------------------------------- the clock and the bytes
 
 class Clock:
     """clock(kind) times the spans of one kind ("attn", "wait") on the device's timeline

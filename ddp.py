@@ -264,9 +264,7 @@ def main(argv=None):
                    exposed_comm_ms=1000 * M.elapsed(t_comm, exposed), **M.moe_log(run, model))
     return M.finish(run)
 
-# -----------------------------------------------------------------------------
-# the bytes
-
+# ----------------------------------------------------------------------------- the bytes
 
 def traffic_per_rank(config, cfg, world):
     """Bytes a rank sends per optimizer step: one ring all-reduce of every gradient,

@@ -238,10 +238,9 @@ def main(argv=None):
     for p in replicated:  # the same replicas even if a user seeds ranks differently
         C.broadcast(p.data, src=0, group=group)
     optimizer = M.make_optimizer(named, cfg, device)
-    # a checkpoint holds each rank's experts as dim-0 slices of the global stacked tensors;
-    # rank 0 writes the replicated tensors
-    M.restore(run, [(n, p, p.ep_index, True) if hasattr(p, "ep_index") else (n, p, None, rank == 0)
-                    for n, p in named], optimizer)
+    # a checkpoint holds each rank's experts as dim-0 slices of the global stacked tensors; rank 0 writes the replicas
+    M.restore(run, [(n, p, getattr(p, "ep_index", None), hasattr(p, "ep_index") or rank == 0) for n, p in named],
+              optimizer)
     local = config.n_expert // world
     step_model = torch.compile(model) if cfg.compile else model
     if rank == 0:
@@ -332,22 +331,12 @@ def exchange_bytes(config, cfg, world, sent=None, received=None):
 
 
 def activation_per_rank(config, cfg, world, rows=None, kept=None):
-    """The bytes autograd keeps on a rank between forward and backward (act_bytes), as
-    model.activation_bytes counts a dense block's. rows: the rows this rank's experts computed
-    (the log's expert_load), kept: the choices of this rank's tokens their experts kept (L·n·k
-    less the log's dropped_tokens), both summed over the layers: then it is exact in float32;
-    without them, the expectation under uniform routing. One process (ddp.py --n_expert)
-    keeps the same, with rows = kept. B = b/N sequences, n, h, E, k, d as in exchange_bytes.
-    A layer keeps the dense block's attention half and LayerNorms, and:
-      per token   the router's input (d·h), its float32 softmax (4E), the top-k indices (8k)
-                  and weights (4k; for k > 1 also their sum and the renormalized ones, 4 + 4k),
-                  and the k expert outputs the weighted sum reads (k·d·h); per layer the
-                  balance loss's choice shares f, B·E floats
-      per kept choice of this rank's tokens  the gather's index (8), scatter_choices' index
-                  (8) and rows (d·h); allgather: the gather's index and rows per expert row
-                  (8 + d·h), and scatter_choices' index over every rank's kept choices (8 each)
-      per expert row on this rank  the dense MLP's 9dh a token (gelu: 5dh)
-    The exchanges keep nothing. full: each block's input, d·h a token, as every strategy."""
+    """The bytes autograd keeps on a rank between forward and backward (act_bytes; docs/memory.md
+    derives the MoE layer's, term by term). rows: the rows this rank's experts computed (the
+    log's expert_load), kept: the choices of this rank's tokens their experts kept (L·n·k less
+    the log's dropped_tokens), both summed over the layers: then it is exact in float32; without
+    them, the expectation under uniform routing. One process (ddp.py --n_expert) keeps the same,
+    with rows = kept; the exchanges keep nothing."""
     L, E, k, h, N = config.n_layer, config.n_expert, config.top_k, config.n_embd, world
     dtype = M.auto_dtype() if cfg.dtype == "auto" else cfg.dtype
     B, s, d = cfg.batch_size // N, config.block_size, 2 if dtype == "bfloat16" else 4
@@ -361,10 +350,12 @@ def activation_per_rank(config, cfg, world, rows=None, kept=None):
         kept = rows * (N if cfg.dispatch == "allgather" else 1)
     mlp = (9 if cfg.recompute == "none" else 5) * d * h  # a token's in the dense block, a row's here
     dense = M.activation_bytes(config, n, cfg.recompute, dtype_bytes=d) - L * n * mlp
+    # per token the router's input, its float32 softmax, the top-k indices and weights (for k > 1 also
+    # their sum and the renormalized ones) and the k expert outputs; per sequence the balance loss's f
     router = n * (d * h * (1 + k) + 4 * E + 12 * k + (4 * k + 4 if k > 1 else 0)) + 4 * B * E
-    if cfg.dispatch == "allgather":
+    if cfg.dispatch == "allgather":  # the gather's index and rows; the scatter's index, every rank's kept choices
         indexed = rows * (8 + d * h) + kept * 8
-    else:
+    else:  # per kept choice: the gather's index, scatter_choices' index and rows
         indexed = kept * (16 + d * h)
     return dense + L * router + indexed + rows * mlp + ends
 

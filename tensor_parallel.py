@@ -45,13 +45,11 @@ DEFAULTS = dict(
     sequence_parallel=False,  # keep s/N positions a rank between the regions (f an all-gather, g a reduce-scatter)
 )
 
-# -----------------------------------------------------------------------------
-# f and g: where a parallel region starts and ends (the names of Megatron's mappings.py)
+# ----------------------------------------------------------------------------- f and g: a parallel region's two ends
 #
 # Each takes its group and does nothing on a group of one. Every f stands in front of a
 # matmul and casts its input to the matmul's dtype first (bf16 under autocast, as the
 # matmul would): the numbers are the one-process run's, and f moves bf16, not float32.
-
 
 class _CopyToParallelRegion(torch.autograd.Function):
     """f. Entering a region, every rank needs the whole input X, and has it: nothing to
@@ -128,8 +126,7 @@ def as_matmul_input(x):
     dev = x.device.type
     return x.to(torch.get_autocast_dtype(dev)) if torch.is_autocast_enabled(dev) else x
 
-# -----------------------------------------------------------------------------
-# the parallel layers, cut from model.py's full units
+# ----------------------------------------------------------------------------- the parallel layers, cut from full units
 #
 # Megatron's names come from Y = X A with A = W^T (nn.Linear stores W as (out, in)):
 # "column-parallel" splits the output features (W's dim 0), "row-parallel" the input
@@ -137,13 +134,11 @@ def as_matmul_input(x):
 # global tensor in the checkpoint's terms: (dim, start, stop), or for c_attn a list of
 # three (this rank's q, k and v rows).
 
-
 class ColumnParallelLinear(nn.Module):
-    """Y_i = f(X) A_i (+ b_i): this rank's output features of an nn.Linear (weight rows
-    and bias), on the whole input, giving this rank's part of the output. parts=3 for
-    c_attn, whose rows are q, k and v stacked. (Under sequence parallelism Megatron also
-    drops f's all-gathered input after forward and gathers it again in backward; here
-    the matmul keeps it, for simplicity.)"""
+    """Y_i = f(X) A_i (+ b_i): this rank's output features of an nn.Linear (weight rows and
+    bias) on the whole input. parts=3 for c_attn (q, k and v stacked). (Under sequence
+    parallelism Megatron also drops f's all-gathered input after forward and gathers it
+    again in backward; here the matmul keeps it, for simplicity.)"""
 
     def __init__(self, linear, group=None, sp=False, parts=1):
         super().__init__()
@@ -172,13 +167,11 @@ class RowParallelLinear(nn.Module):
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Rows [lo, lo + V/N) of the token embedding. A token outside them gets zeros here;
-    the rank that owns it supplies its row, and g's sum puts every token's row in place
-    on every rank (exactly: one rank adds the row, the others zeros; the rows stay
-    float32, as the one-process run's residual stream). Pass the ids as (s, b), so that
-    the output has the (s, b, h) layout that sequence parallelism cuts along dim 0. The
-    same matrix is the output head (the tie), so its gradient collects both uses
-    locally: the tie costs no communication."""
+    """Rows [lo, lo + V/N) of the token embedding. A token outside them gets zeros here, and
+    g's sum puts every token's row in place on every rank (exactly: its owner adds the row,
+    the others zeros; float32, as the one-process run's residual stream). Pass the ids as
+    (s, b): the output is in the (s, b, h) layout sequence parallelism cuts along dim 0. The
+    tied head is the same matrix: its gradient collects both uses locally, no message."""
 
     def __init__(self, embedding, group=None, sp=False):
         super().__init__()
@@ -257,8 +250,7 @@ def sharded_param(full, dim, group, parts=1):
     p.tp_index = index
     return p
 
-# -----------------------------------------------------------------------------
-# the model: each rank's slice of model.GPT(config, seed)
+# ----------------------------------------------------------------------------- the model: each rank's slice of model.GPT
 #
 # Each rank holds 1/N of the parameters, gradients and Adam state, and 1/N of the
 # activations inside the regions (docs/formulas.md). The residual stream is (s, b, h),
@@ -267,7 +259,6 @@ def sharded_param(full, dim, group, parts=1):
 # Dropout (0 by default): every rank draws from one seed, so the replicated regions'
 # masks agree, but inside a region the ranks' heads draw the same masks (Megatron forks
 # a per-rank generator there).
-
 
 def parallel_block(block, group=None, sp=False, moe=None):
     """A model.Block cut down to this rank's heads and MLP columns (in place). A mixture of
@@ -355,9 +346,7 @@ def checkpoint_entries(model, group=None):
     return [(name, p, getattr(p, "tp_index", None), hasattr(p, "tp_index") or first)
             for name, p in model.named_parameters()]
 
-# -----------------------------------------------------------------------------
-# the gradient: replicas, and the global norm
-
+# ----------------------------------------------------------------------------- the gradient: replicas and the global norm
 
 def grad_sq_norm(sharded, replicated, group=None):
     """This rank's share of the squared norm of the whole model's gradient: its shards,
@@ -441,9 +430,7 @@ def main(argv=None):
         M.end_iter(run, loss=loss.item(), grad_norm=norm, state_bytes=state, act_bytes=sum(saved.values()))
     return M.finish(run)
 
-# -----------------------------------------------------------------------------
-# the bytes
-
+# ----------------------------------------------------------------------------- the bytes
 
 def activation_per_rank(config, cfg, world):
     """The bytes autograd keeps between forward and backward on a rank (the log's act_bytes):
