@@ -309,7 +309,7 @@ ATTENTION = dict(ring=ring_attention, ulysses=ulysses_attention)
 def use_ring(model, ring, clock=None, attention="ring"):
     """Point every block's attention at the ring: model.CausalSelfAttention runs as it is
     (c_attn, the heads, c_proj) and its attend() hook, SDPA in one process, becomes
-    ring attention over every rank's keys (attention="ulysses": the all-to-alls around SDPA)."""
+    ring attention over every rank's keys (attention="ulysses": the all-to-alls around it)."""
     for block in model.transformer.h:
         block.attn.attend = functools.partial(ATTENTION[attention], ring=ring, clock=clock)
 
