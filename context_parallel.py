@@ -433,11 +433,9 @@ class Clock:
 
 
 def activation_per_rank(config, cfg, world):
-    """The bytes autograd keeps between forward and backward on a rank (the log's act_bytes):
-    every activation is per position, so a rank keeps what one process keeps for sequences
-    of s/N positions (model.activation_bytes and ends_bytes; the ring keeps its output in
-    its own order besides c_proj's copy). --attention=ulysses keeps the same: its attention is
-    the ring's on a ring of one, over H/N heads of s positions instead of H of s/N."""
+    """The bytes autograd keeps between forward and backward on a rank (the log's act_bytes;
+    docs/memory.md): every activation is per position, so what one process keeps for s/N
+    positions. --attention=ulysses keeps the same (the ring's math, on H/N heads of s positions)."""
     d = 2 if cfg.dtype == "bfloat16" else 4
     n, s = cfg.batch_size * config.block_size // world, config.block_size // world
     return (M.activation_bytes(config, n, getattr(cfg, "recompute", "none"), ring=True, dtype_bytes=d)

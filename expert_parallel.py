@@ -304,20 +304,15 @@ def moe_stats(run, model, local):
 
 
 def exchange_bytes(config, cfg, world, sent=None, received=None):
-    """Bytes a rank sends per step at the MoE layers (docs/expert_parallel.md). sent, received:
-    the rows this rank dispatched to other ranks' experts and received from them in the step's
-    forward, summed over the layers: then it is exact; without them, the expectation under
-    uniform routing (allgather's is exact). A rank routes n = b·s/N tokens to k experts at each
-    of L layers; rows are h wide, `act` bytes a number (4; 2 under bf16, as the rows travel).
-      alltoall   the counts' all-gather, (N-1)·E·k·8 (int64), and dispatch and combine forward
-                 and backward, each sending what this rank sends others or received from them:
-                 2·(sent + received)·h·act; uniform routing keeps 1/N home: 4(N-1)/N·n·k·h·act
-      allgather  the all-gather of the n·k choices, (N-1)·n·k·8, and of the n tokens,
-                 (N-1)·n·h·act, the outputs' reduce-scatter, (N-1)·n·k·h·act, and backward the
-                 pair reversed: N(1+k)/(2k) times the all-to-all's, growing with N.
-    --recompute=full reruns every exchange of each layer's forward in backward (torch's checkpoint
-    stops at the router weights' product with the combined outputs; the logged rows are the
-    forward's, counted once). --capacity_factor drops what one process would (the global rule)."""
+    """Bytes a rank sends per step at the MoE layers (docs/expert_parallel.md, "The bytes",
+    derives them). sent, received: the rows this rank dispatched to other ranks' experts and
+    received from them in the step's forward, summed over the layers: then it is exact;
+    without them, the expectation under uniform routing (allgather's is exact). n = b·s/N
+    tokens a rank, k experts each, L layers, rows h wide, act bytes a number (4; 2 under bf16).
+    alltoall: the counts' all-gather (N-1)·E·k·8 and 2·(sent + received)·h·act; allgather:
+    2(N-1)·n·h·act·(1+k) + (N-1)·n·k·8 a layer. --recompute=full reruns every exchange of each
+    layer's forward in backward (torch's checkpoint stops at the router weights' product with
+    the combined outputs; the logged rows are the forward's, counted once)."""
     L, E, k, h, N = config.n_layer, config.n_expert, config.top_k, config.n_embd, world
     n = cfg.batch_size // N * config.block_size  # tokens a rank routes at each layer
     act = 2 if cfg.dtype == "bfloat16" else 4

@@ -7,26 +7,22 @@ every matmul, and all ranks work on the whole global batch together.
     torchrun --nproc_per_node=2 tensor_parallel.py            # two ranks (CPU processes over gloo, or GPUs over NCCL)
     torchrun --nproc_per_node=4 tensor_parallel.py --model=gpt2 --sequence_parallel=True
 
-What it splits. Attention: c_attn (q, k and v in one matrix) by output columns, so
-each rank owns whole heads (n_head/N of them) and runs attention on them alone; c_proj
-by input rows. MLP: c_fc by columns (GELU works elementwise, so it stays local), its
-c_proj by rows. A column-parallel layer feeding a row-parallel one needs nothing sent
-in between: each rank's output of the second is a partial sum, added up once at the
-end. The token embedding is split by vocabulary, and the output head, tied to it,
-gives each rank the logits of its own slice of the vocabulary; the cross-entropy works
-on those slices and never gathers the b x s x V logits. LayerNorms, the biases of the
-row-parallel layers and the position embedding are small: every rank has a copy.
+What it splits. Attention: c_attn (q, k and v in one matrix) by output columns, so each
+rank owns whole heads (n_head/N) and runs attention on them alone; c_proj by input rows.
+MLP: c_fc by columns (GELU is elementwise: it stays local), its c_proj by rows. A
+column-parallel layer feeding a row-parallel one sends nothing in between: each rank's
+output of the second is a partial sum, added up once. The token embedding is split by
+vocabulary, and the tied head gives each rank its slice's logits, which the cross-entropy
+never gathers. LayerNorms, row-parallel biases and the position embedding are replicated.
 
-What it sends, and when. Two conjugate operations mark where a parallel region starts
-and where it ends (Megatron's f and g): f, in front of each column-parallel layer, is
-the identity forward and all-reduces the input's gradient backward; g, at the end of
-each row-parallel layer (and of the embedding), all-reduces the partial sums forward
-and is the identity backward: per block 2 all-reduces of b·s·h activations forward and
-2 backward, and the loss's 3 of b·s numbers. --sequence_parallel=True (Korthikanti et
-al. 2022) keeps s/N positions a rank between the regions, where LayerNorm, dropout and
-the residual adds treat each token alone: g becomes a reduce-scatter and f an
-all-gather (backward, each is the other), the same bytes and N times smaller LayerNorm
-and dropout activations.
+What it sends, and when (Megatron's f and g): f, in front of each column-parallel layer, is
+the identity forward and all-reduces the input's gradient backward; g, after each
+row-parallel layer (and the embedding), all-reduces the partial sums forward and is the
+identity backward: per block 2 all-reduces of b·s·h activations forward and 2 backward,
+and the loss's 3 of b·s numbers. --sequence_parallel=True (Korthikanti et al. 2022) keeps
+s/N positions a rank between the regions, where LayerNorm, dropout and the residual adds
+treat each token alone: g becomes a reduce-scatter and f an all-gather (backward, each is
+the other), the same bytes and N times smaller LayerNorm and dropout activations.
 
 The lesson is everything above main(); below the fence after it, the byte formulas the
 tests hold the log to (activation_per_rank, traffic_per_rank).
@@ -253,7 +249,7 @@ def sharded_param(full, dim, group, parts=1):
 # ----------------------------------------------------------------------------- the model: each rank's slice of model.GPT
 #
 # Each rank holds 1/N of the parameters, gradients and Adam state, and 1/N of the
-# activations inside the regions (docs/formulas.md). The residual stream is (s, b, h),
+# activations inside the regions (docs/memory.md). The residual stream is (s, b, h),
 # sequence first, as in Megatron: a rank's sequence-parallel positions are one block of
 # rows, so the all-gathers and reduce-scatters need no copies and no transposes.
 # Dropout (0 by default): every rank draws from one seed, so the replicated regions'
@@ -449,19 +445,12 @@ def activation_per_rank(config, cfg, world):
 
 
 def traffic_per_rank(config, cfg, world):
-    """Bytes a rank sends per step, on average over the ranks (docs/tensor_parallel.md):
-    2(N-1)/N · b·s·h · ((4L + 1)·d + 4) + 3 · 2(N-1)/N · b·s·4 + 2(N-1)/N · 4, from all-reduces
-    (2(N-1)/N·S a rank for S bytes; collectives.py's tree for small messages sends the same
-    total, unevenly) of: per block 2 g's forward and 2 f's backward of b·s·h in the compute
-    dtype (d bytes); the head's f backward (d: f casts first); the embedding's g forward
-    (float32 rows); the loss's 3 of b·s float32 (max, target logit, sum of exp); the norm's 1.
-    --recompute=full reruns each block's forward up to the last tensor backward reads (torch's
-    checkpoint "early stop": the last g is not sent again): 5L, and 5.5L with sequence
-    parallelism (the attention's all-gather and reduce-scatter and the MLP's all-gather again).
-    --sequence_parallel: each all-reduce becomes a reduce-scatter plus an all-gather, the same
-    bytes; and the replicas (LayerNorms, row-parallel biases, ln_f, wpe) saw only their rank's
-    positions: their gradients all-reduced in float32, 2(N-1)/N · (6Lh + 2h + block_size·h) · 4
-    more (2Lh + h + block_size·h without biases)."""
+    """Bytes a rank sends per step, on average over the ranks (docs/tensor_parallel.md, "The
+    bytes", derives it): 2(N-1)/N · b·s·h · ((4L + 1)·d + 4) + 3 · 2(N-1)/N · 4·b·s + 2(N-1)/N · 4.
+    --recompute=full: 5L instead of 4L, 5.5L with sequence parallelism (the attention's
+    all-gather and reduce-scatter and the MLP's all-gather again). --sequence_parallel adds the
+    replicas' float32 all-reduce, 2(N-1)/N · (6Lh + 2h + s·h) · 4 (2Lh + h + s·h without biases).
+    collectives.py's tree for small messages sends the ring's total, unevenly."""
     dtype = M.auto_dtype() if cfg.dtype == "auto" else cfg.dtype
     d = 2 if dtype == "bfloat16" else 4
     ar = 2 * (world - 1) / world  # an all-reduce, or a reduce-scatter plus an all-gather
