@@ -267,9 +267,8 @@ def main(argv=None):
 # ----------------------------------------------------------------------------- the bytes
 
 def traffic_per_rank(config, cfg, world):
-    """Bytes a rank sends per optimizer step: one ring all-reduce of every gradient,
-    2(N-1)/N of the gradient bytes (on average over ranks when chunks are uneven),
-    whatever --n_micro is, since the micro-steps before the last don't communicate."""
+    """Bytes a rank sends per optimizer step, whatever --n_micro is: one ring all-reduce of the
+    gradients, 2(N-1)/N·4Ψ (the mean over ranks when the chunks are uneven)."""
     return 2 * (world - 1) / world * 4 * M.param_count(config)
 
 
