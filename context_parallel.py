@@ -50,17 +50,13 @@ DEFAULTS = dict(
 )
 LAYOUTS = ("contiguous", "zigzag")
 
-# -----------------------------------------------------------------------------
-# the layout: which positions each rank holds
+# ----------------------------------------------------------------------------- the layout: the positions each rank holds
 #
-# Under the causal mask, with contiguous positions (rank r holds [r·s/N, (r+1)·s/N)),
-# rank 0 attends to one block and rank N-1 to N: the last rank does N times the first's
-# work, and everyone waits for it. Zigzag cuts the sequence into 2N chunks and gives
-# rank r chunks r and 2N-1-r (an early and a late one), so every rank does the diagonal
-# plus half of each other block: the same work everywhere (the load-balanced layout of
-# Llama 3's context parallelism, Dubey et al. 2024, which all-gathers K and V instead
-# of passing them round a ring, and of zhuzilin's ring-flash-attention).
-
+# Under the causal mask, with contiguous positions rank 0 attends to one block and rank
+# N-1 to N: everyone waits for the last rank. Zigzag gives rank r chunks r and 2N-1-r of
+# 2N (an early and a late one): every rank does the diagonal plus half of each other
+# block, the same work (the layout of Llama 3's context parallelism, Dubey et al. 2024,
+# and of zhuzilin's ring-flash-attention).
 
 def positions(block_size, me, n, layout, device="cpu"):
     """The GLOBAL positions of rank `me` of `n`, ascending: contiguous, one chunk of
@@ -86,13 +82,11 @@ def block_plan(me, owner, n, layout, length):
         return every, half[0], False
     return half[1], every, False  # my late chunk comes after both of its chunks; my early chunk before
 
-# -----------------------------------------------------------------------------
-# ring attention
+# ----------------------------------------------------------------------------- ring attention
 #
 # The ring's loops; the math of one block (attend, merge, attend_backward) follows them.
-# clock(kind) times a span ("attn": attention compute, "wait": waiting for a block) for
-# the log; Clock, after main(), is the one main uses, untimed() the one for everyone else.
-
+# clock(kind) times a span ("attn": compute, "wait": waiting for a block) for the log:
+# Clock, after main(), in main; untimed() for everyone else.
 
 class Ring:
     """The ranks that share one sequence, in ring order: whom this rank sends to (next)
@@ -217,14 +211,12 @@ def untimed(kind):
 def ring_attention(q, k, v, ring, clock=None):
     return RingAttention.apply(q, k, v, ring, clock or untimed)
 
-# -----------------------------------------------------------------------------
-# one block of attention, forward and backward, in float32
+# ----------------------------------------------------------------------------- one block's attention, forward and backward
 #
 # This is a teaching implementation: each block's scores come from plain float32
 # matmuls. On a GPU one would call a flash-attention kernel that returns the log-sum-exp
 # with the output (flash_attn's _flash_attn_forward, or torch's
 # _scaled_dot_product_flash_attention) and its backward kernel, and merge the same way.
-
 
 def attend(q, k, v, scale, causal):
     """Softmax attention of q on one block of keys and values alone.
@@ -258,18 +250,12 @@ def attend_backward(q, k, v, dout, lse, delta, scale, causal):
     ds = p * (torch.matmul(dout, v.transpose(-2, -1)) - delta.unsqueeze(-1))  # softmax's Jacobian
     return torch.matmul(ds, k) * scale, torch.matmul(ds.transpose(-2, -1), q) * scale, dv
 
-# -----------------------------------------------------------------------------
-# Ulysses: the heads travel instead of the keys (DeepSpeed-Ulysses, Jacobs et al. 2023)
+# ----------------------------------------------------------------------------- Ulysses: the heads travel instead of the keys
 #
-# Attention is the only place where a position needs the others, and every head is
-# independent. So for the length of attention, swap what is split: one all-to-all turns
-# "my s/N positions, all H heads" into "every position, my H/N heads", each rank runs
-# ordinary attention on whole sequences, and a second all-to-all turns the output back.
-# Backward is autograd's: C.all_to_all_rows sends the gradients back the way they came,
-# through the reshapes around it. The attention in between can be any kernel; here it is
-# the ring's own math on a ring of one, the one-process run's, so that the bench compares
-# the messages, not two kernels.
-
+# DeepSpeed-Ulysses (Jacobs et al. 2023): for the length of attention, swap what is split
+# (the module docstring). Backward is autograd's: C.all_to_all_rows sends the gradients back
+# the way they came. The attention in between could be any kernel; here it is the ring's own
+# math on a ring of one, so that the bench compares the messages.
 
 def seq_to_heads(x, ring):
     """(..., H, s/N, D) at my positions -> (..., H/N, s, D): my heads, every position in order."""
@@ -318,14 +304,12 @@ def ulysses_attention(q, k, v, ring, clock=None):
 
 ATTENTION = dict(ring=ring_attention, ulysses=ulysses_attention)
 
-# -----------------------------------------------------------------------------
-# the model on a rank's positions
-
+# ----------------------------------------------------------------------------- the model on a rank's positions
 
 def use_ring(model, ring, clock=None, attention="ring"):
     """Point every block's attention at the ring: model.CausalSelfAttention runs as it is
     (c_attn, the heads, c_proj) and its attend() hook, SDPA in one process, becomes
-    ring attention over every rank's keys (attention="ulysses": the all-to-alls around SDPA)."""
+    ring attention over every rank's keys (attention="ulysses": the all-to-alls around it)."""
     for block in model.transformer.h:
         block.attn.attend = functools.partial(ATTENTION[attention], ring=ring, clock=clock)
 
@@ -415,9 +399,7 @@ def main(argv=None):
                    attn_ms=ms["attn"], attn_wait_ms=ms["wait"])
     return M.finish(run)
 
-# -----------------------------------------------------------------------------
-# the clock and the bytes
-
+# ----------------------------------------------------------------------------- the clock and the bytes
 
 class Clock:
     """clock(kind) times the spans of one kind ("attn", "wait") on the device's timeline
@@ -451,11 +433,9 @@ class Clock:
 
 
 def activation_per_rank(config, cfg, world):
-    """The bytes autograd keeps between forward and backward on a rank (the log's act_bytes):
-    every activation is per position, so a rank keeps what one process keeps for sequences
-    of s/N positions (model.activation_bytes and ends_bytes; the ring keeps its output in
-    its own order besides c_proj's copy). --attention=ulysses keeps the same: its attention is
-    the ring's on a ring of one, over H/N heads of s positions instead of H of s/N."""
+    """The bytes autograd keeps between forward and backward on a rank (the log's act_bytes;
+    docs/memory.md): every activation is per position, so what one process keeps for s/N
+    positions. --attention=ulysses keeps the same (the ring's math, on H/N heads of s positions)."""
     d = 2 if cfg.dtype == "bfloat16" else 4
     n, s = cfg.batch_size * config.block_size // world, config.block_size // world
     return (M.activation_bytes(config, n, getattr(cfg, "recompute", "none"), ring=True, dtype_bytes=d)
@@ -463,14 +443,10 @@ def activation_per_rank(config, cfg, world):
 
 
 def traffic_per_rank(config, cfg, world):
-    """Bytes a rank sends per optimizer step (docs/context_parallel.md, "What each sends"), with
-    b rows, s tokens, h = n_embd, L layers, a = 4 bytes in float32 or 2 in bfloat16:
-      ring     L·(N-1)·2·b·(s/N)·h · (a forward + a + 4 backward): K and V hop N-1 times each
-               way, their gradients in float32 (the forward again under --recompute=full)
-      ulysses  L·(N-1)/N·4·b·(s/N)·h·a each way: q, k, v and the output (the forward again too)
-      both     2(N-1)/N·4Ψ: one ring all-reduce of the gradients
-    The attention terms are exact on every rank; the all-reduce's is exact when N divides Ψ,
-    else the mean over ranks (the ring's chunks differ by an element)."""
+    """Bytes a rank sends per optimizer step (docs/context_parallel.md, "What each sends", derives
+    it): ring L·(N-1)·2·b·(s/N)·h·(2a + 4), ulysses 8(N-1)/N²·L·b·s·h·a (each plus the forward's
+    share again under --recompute=full), and 2(N-1)/N·4Ψ for the gradients' ring all-reduce (the
+    mean over ranks when N does not divide Ψ), with a = 4 bytes in float32 or 2 in bfloat16."""
     if world == 1:
         return 0
     b, s, h, L = cfg.batch_size, config.block_size, config.n_embd, config.n_layer

@@ -57,20 +57,14 @@ def all_reduce_each(params, group=None):
 class GradBuckets:
     """The gradients of all parameters, packed into flat buffers ("buckets").
 
-    Each parameter's .grad is a view into its bucket, so backward writes straight
-    into the buffer that is all-reduced: no copy in, no copy out (PyTorch DDP's
-    gradient_as_bucket_view). Parameters go into buckets in reverse order of
-    registration, which is roughly the order backward produces their gradients,
-    so the first bucket fills first and can be sent while backward still runs.
-    overlap=True launches each bucket's all-reduce from a gradient hook as soon as
-    the bucket is full; otherwise reduce() sends them all after backward.
-
-    The caller may do what it likes to .grad between steps: optimizer.zero_grad()
-    sets it to None (torch's default), and the next backward then writes a new
-    tensor outside the bucket. claim() copies such a gradient into its view and
-    points .grad back at it (PyTorch's DDP does the same), from the hook or from
-    reduce(); a parameter that got no gradient this step (unused) sends zeros.
-    """
+    Each parameter's .grad is a view into its bucket, so backward writes straight into
+    the buffer that is all-reduced: no copy in or out (PyTorch DDP's
+    gradient_as_bucket_view). Parameters go in reverse order of registration, roughly the
+    order backward produces their gradients, so the first bucket fills first.
+    overlap=True launches each bucket's all-reduce from a gradient hook as soon as it is
+    full; otherwise reduce() sends them all after backward. If the caller sets .grad to
+    None (optimizer.zero_grad()'s default), backward writes a new tensor outside the
+    bucket: claim() copies it into its view, as PyTorch's DDP does."""
 
     def __init__(self, params, bucket_mb, overlap, group=None):
         self.group, self.overlap = group, overlap
@@ -162,15 +156,12 @@ class GradBuckets:
 
 def compile_blocks(model, **options):
     """torch.compile each block on its own, in place, and the head with its loss. Compiled
-    whole, the model's backward is one autograd node: every gradient appears at its very
-    end, and no bucket can be launched while backward still runs (--overlap would be
-    bucketed). One graph per block gives backward one node per block, so each block's
-    gradients are ready, and their bucket can be sent, while the blocks before it are still
-    differentiated (PyTorch's DDP splits its graph at bucket boundaries for this reason;
-    torchtitan compiles block by block). The head is a graph of its own: eager, its float
-    logits and the cross-entropy over them are the step's largest memory traffic (at GPT-2
-    size 16 x 1024 x 50304 float logits are 3.3 GB, read and written several times over),
-    which a plain loop that compiles the whole model fuses. The embedding stays eager (a lookup and an add)."""
+    whole, the model's backward is one autograd node: every gradient appears at its end,
+    and no bucket could be sent while backward runs. One graph per block lets each block's
+    bucket go while earlier blocks are differentiated (as torchtitan compiles; PyTorch's DDP
+    splits its graph at bucket boundaries). The head is a graph of its own: eager, its float
+    logits and their cross-entropy are the step's largest memory traffic (3.3 GB at GPT-2
+    size, 16 x 1024 x 50304), which a whole-model compile would fuse. The embedding stays eager."""
     n = len(model.transformer.h)
     if tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 5):
         # Before 2.5 dynamo guards on the module object: each block is a recompile of the one
@@ -273,14 +264,11 @@ def main(argv=None):
                    exposed_comm_ms=1000 * M.elapsed(t_comm, exposed), **M.moe_log(run, model))
     return M.finish(run)
 
-# -----------------------------------------------------------------------------
-# the bytes
-
+# ----------------------------------------------------------------------------- the bytes
 
 def traffic_per_rank(config, cfg, world):
-    """Bytes a rank sends per optimizer step: one ring all-reduce of every gradient,
-    2(N-1)/N of the gradient bytes (on average over ranks when chunks are uneven),
-    whatever --n_micro is, since the micro-steps before the last don't communicate."""
+    """Bytes a rank sends per optimizer step, whatever --n_micro is: one ring all-reduce of the
+    gradients, 2(N-1)/N·4Ψ (the mean over ranks when the chunks are uneven)."""
     return 2 * (world - 1) / world * 4 * M.param_count(config)
 
 

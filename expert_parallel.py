@@ -238,10 +238,9 @@ def main(argv=None):
     for p in replicated:  # the same replicas even if a user seeds ranks differently
         C.broadcast(p.data, src=0, group=group)
     optimizer = M.make_optimizer(named, cfg, device)
-    # a checkpoint holds each rank's experts as dim-0 slices of the global stacked tensors;
-    # rank 0 writes the replicated tensors
-    M.restore(run, [(n, p, p.ep_index, True) if hasattr(p, "ep_index") else (n, p, None, rank == 0)
-                    for n, p in named], optimizer)
+    # a checkpoint holds each rank's experts as dim-0 slices of the global stacked tensors; rank 0 writes the replicas
+    M.restore(run, [(n, p, getattr(p, "ep_index", None), hasattr(p, "ep_index") or rank == 0) for n, p in named],
+              optimizer)
     local = config.n_expert // world
     step_model = torch.compile(model) if cfg.compile else model
     if rank == 0:
@@ -305,25 +304,15 @@ def moe_stats(run, model, local):
 
 
 def exchange_bytes(config, cfg, world, sent=None, received=None):
-    """Bytes a rank sends per step at the MoE layers. sent, received: the rows this rank
-    dispatched to other ranks' experts and received from them in the step's forward, summed
-    over the layers: then it is exact; without them, the expectation under uniform routing
-    (the allgather dispatch's is exact). A rank routes n = b·s/N tokens to k experts at each
-    of L layers; rows are h wide, `act` bytes a number (4; 2 under bf16, as the rows travel).
-      alltoall   the counts' all-gather, (N-1)·E·k·8 (int64), and four all-to-alls (dispatch
-                 and combine, forward and backward), each sending what this rank sends others
-                 or what it received from them: 2·(sent + received)·h·act. Uniform routing
-                 keeps 1/N of the n·k choices home: 4(N-1)/N·n·k·h·act.
-      allgather  the all-gather of the n·k choices, (N-1)·n·k·8, of the n tokens,
-                 (N-1)·n·h·act, the reduce-scatter of the outputs, (N-1)·n·k·h·act, and
-                 backward the pair reversed: 2(N-1)·n·h·act·(1+k) + (N-1)·n·k·8, N(1+k)/(2k)
-                 times the all-to-all's (3x at N = 4, k = 2), growing with N.
-    --recompute=full reruns each block's forward in backward up to the router weights'
-    product with the combined outputs (torch's checkpoint stops there): every exchange of
-    the layer's forward again (alltoall: (N-1)·E·k·8 + (sent + received)·h·act; allgather:
-    (N-1)·n·k·8 + (N-1)·n·(1 + k)·h·act; the logged rows are the forward's, counted once).
-    --capacity_factor applies GShard's drop rule to the global micro-batch, so N ranks drop
-    what one process would."""
+    """Bytes a rank sends per step at the MoE layers (docs/expert_parallel.md, "The bytes",
+    derives them). sent, received: the rows this rank dispatched to other ranks' experts and
+    received from them in the step's forward, summed over the layers: then it is exact;
+    without them, the expectation under uniform routing (allgather's is exact). n = b·s/N
+    tokens a rank, k experts each, L layers, rows h wide, act bytes a number (4; 2 under bf16).
+    alltoall: the counts' all-gather (N-1)·E·k·8 and 2·(sent + received)·h·act; allgather:
+    2(N-1)·n·h·act·(1+k) + (N-1)·n·k·8 a layer. --recompute=full reruns every exchange of each
+    layer's forward in backward (torch's checkpoint stops at the router weights' product with
+    the combined outputs; the logged rows are the forward's, counted once)."""
     L, E, k, h, N = config.n_layer, config.n_expert, config.top_k, config.n_embd, world
     n = cfg.batch_size // N * config.block_size  # tokens a rank routes at each layer
     act = 2 if cfg.dtype == "bfloat16" else 4
@@ -337,24 +326,12 @@ def exchange_bytes(config, cfg, world, sent=None, received=None):
 
 
 def activation_per_rank(config, cfg, world, rows=None, kept=None):
-    """The bytes autograd keeps on a rank between forward and backward (act_bytes), as
-    model.activation_bytes counts a dense block's. rows: the rows this rank's experts computed
-    (the log's expert_load), kept: the choices of this rank's tokens their experts kept (L·n·k
-    less the log's dropped_tokens), both summed over the layers: then it is exact in float32;
-    without them, the expectation under uniform routing. One process (ddp.py --n_expert)
-    keeps the same, with rows = kept. With B = b/N sequences, n, h, E, k, d as in
-    exchange_bytes, a layer keeps the dense block's attention half and LayerNorms, and:
-      per token   the router's input (d·h), its float32 softmax (4E), the top-k indices (8k)
-                  and weights (4k; for k > 1 also their sum and the renormalized ones, 4 + 4k),
-                  and the k expert outputs the weighted sum reads (k·d·h)
-      per layer   the balance loss's choice shares f, B·E floats
-      per kept choice of this rank's tokens (alltoall)  the gather's index (8), and
-                  scatter_choices' index (8) and rows (d·h)
-      per expert row on this rank  the dense MLP's 9dh a token (gelu: 5dh)
-    --dispatch=allgather instead keeps the gather's index and rows, 8 + d·h an expert row, and
-    scatter_choices' index: a slice of the whole batch's kept choices, whose storage is all of
-    them, so kept counts every rank's (8 each). The exchanges keep nothing. full: each block's
-    input, d·h a token, as every strategy."""
+    """The bytes autograd keeps on a rank between forward and backward (act_bytes; docs/memory.md
+    derives the MoE layer's, term by term). rows: the rows this rank's experts computed (the
+    log's expert_load), kept: the choices of this rank's tokens their experts kept (L·n·k less
+    the log's dropped_tokens), both summed over the layers: then it is exact in float32; without
+    them, the expectation under uniform routing. One process (ddp.py --n_expert) keeps the same,
+    with rows = kept; the exchanges keep nothing."""
     L, E, k, h, N = config.n_layer, config.n_expert, config.top_k, config.n_embd, world
     dtype = M.auto_dtype() if cfg.dtype == "auto" else cfg.dtype
     B, s, d = cfg.batch_size // N, config.block_size, 2 if dtype == "bfloat16" else 4
@@ -368,10 +345,12 @@ def activation_per_rank(config, cfg, world, rows=None, kept=None):
         kept = rows * (N if cfg.dispatch == "allgather" else 1)
     mlp = (9 if cfg.recompute == "none" else 5) * d * h  # a token's in the dense block, a row's here
     dense = M.activation_bytes(config, n, cfg.recompute, dtype_bytes=d) - L * n * mlp
+    # per token the router's input, its float32 softmax, the top-k indices and weights (for k > 1 also
+    # their sum and the renormalized ones) and the k expert outputs; per sequence the balance loss's f
     router = n * (d * h * (1 + k) + 4 * E + 12 * k + (4 * k + 4 if k > 1 else 0)) + 4 * B * E
-    if cfg.dispatch == "allgather":
+    if cfg.dispatch == "allgather":  # the gather's index and rows; the scatter's index, every rank's kept choices
         indexed = rows * (8 + d * h) + kept * 8
-    else:
+    else:  # per kept choice: the gather's index, scatter_choices' index and rows
         indexed = kept * (16 + d * h)
     return dense + L * router + indexed + rows * mlp + ends
 

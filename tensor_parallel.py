@@ -7,26 +7,22 @@ every matmul, and all ranks work on the whole global batch together.
     torchrun --nproc_per_node=2 tensor_parallel.py            # two ranks (CPU processes over gloo, or GPUs over NCCL)
     torchrun --nproc_per_node=4 tensor_parallel.py --model=gpt2 --sequence_parallel=True
 
-What it splits. Attention: c_attn (q, k and v in one matrix) by output columns, so
-each rank owns whole heads (n_head/N of them) and runs attention on them alone; c_proj
-by input rows. MLP: c_fc by columns (GELU works elementwise, so it stays local), its
-c_proj by rows. A column-parallel layer feeding a row-parallel one needs nothing sent
-in between: each rank's output of the second is a partial sum, added up once at the
-end. The token embedding is split by vocabulary, and the output head, tied to it,
-gives each rank the logits of its own slice of the vocabulary; the cross-entropy works
-on those slices and never gathers the b x s x V logits. LayerNorms, the biases of the
-row-parallel layers and the position embedding are small: every rank has a copy.
+What it splits. Attention: c_attn (q, k and v in one matrix) by output columns, so each
+rank owns whole heads (n_head/N) and runs attention on them alone; c_proj by input rows.
+MLP: c_fc by columns (GELU is elementwise: it stays local), its c_proj by rows. A
+column-parallel layer feeding a row-parallel one sends nothing in between: each rank's
+output of the second is a partial sum, added up once. The token embedding is split by
+vocabulary, and the tied head gives each rank its slice's logits, which the cross-entropy
+never gathers. LayerNorms, row-parallel biases and the position embedding are replicated.
 
-What it sends, and when. Two conjugate operations mark where a parallel region starts
-and where it ends (Megatron's f and g): f, in front of each column-parallel layer, is
-the identity forward and all-reduces the input's gradient backward; g, at the end of
-each row-parallel layer (and of the embedding), all-reduces the partial sums forward
-and is the identity backward: per block 2 all-reduces of b·s·h activations forward and
-2 backward, and the loss's 3 of b·s numbers. --sequence_parallel=True (Korthikanti et
-al. 2022) keeps s/N positions a rank between the regions, where LayerNorm, dropout and
-the residual adds treat each token alone: g becomes a reduce-scatter and f an
-all-gather (backward, each is the other), the same bytes and N times smaller LayerNorm
-and dropout activations.
+What it sends, and when (Megatron's f and g): f, in front of each column-parallel layer, is
+the identity forward and all-reduces the input's gradient backward; g, after each
+row-parallel layer (and the embedding), all-reduces the partial sums forward and is the
+identity backward: per block 2 all-reduces of b·s·h activations forward and 2 backward,
+and the loss's 3 of b·s numbers. --sequence_parallel=True (Korthikanti et al. 2022) keeps
+s/N positions a rank between the regions, where LayerNorm, dropout and the residual adds
+treat each token alone: g becomes a reduce-scatter and f an all-gather (backward, each is
+the other), the same bytes and N times smaller LayerNorm and dropout activations.
 
 The lesson is everything above main(); below the fence after it, the byte formulas the
 tests hold the log to (activation_per_rank, traffic_per_rank).
@@ -45,15 +41,11 @@ DEFAULTS = dict(
     sequence_parallel=False,  # keep s/N positions a rank between the regions (f an all-gather, g a reduce-scatter)
 )
 
-# -----------------------------------------------------------------------------
-# f and g: where a parallel region starts and ends (the names of Megatron's mappings.py)
+# ----------------------------------------------------------------------------- f and g: a parallel region's two ends
 #
-# Each takes the group it runs on and does nothing on a group of one. Every f stands in
-# front of a matmul, and it is where activations start to travel (their gradient
-# backward; with sequence parallelism the activations too), so it casts its input to
-# the matmul's dtype first: bf16 under autocast, as the matmul would cast it anyway. The
-# numbers are the one-process run's, and f moves bf16, not LayerNorm's float32.
-
+# Each takes its group and does nothing on a group of one. Every f stands in front of a
+# matmul and casts its input to the matmul's dtype first (bf16 under autocast, as the
+# matmul would): the numbers are the one-process run's, and f moves bf16, not float32.
 
 class _CopyToParallelRegion(torch.autograd.Function):
     """f. Entering a region, every rank needs the whole input X, and has it: nothing to
@@ -121,9 +113,8 @@ def reduce_scatter_to_sequence_parallel_region(x, group=None):
 
 def region_ops(sp):
     """(f, g): the plain pair, or sequence parallelism's."""
-    if sp:
-        return gather_from_sequence_parallel_region, reduce_scatter_to_sequence_parallel_region
-    return copy_to_parallel_region, reduce_from_parallel_region
+    return ((gather_from_sequence_parallel_region, reduce_scatter_to_sequence_parallel_region) if sp
+            else (copy_to_parallel_region, reduce_from_parallel_region))
 
 
 def as_matmul_input(x):
@@ -131,23 +122,19 @@ def as_matmul_input(x):
     dev = x.device.type
     return x.to(torch.get_autocast_dtype(dev)) if torch.is_autocast_enabled(dev) else x
 
-# -----------------------------------------------------------------------------
-# the parallel layers, cut from model.py's full units
+# ----------------------------------------------------------------------------- the parallel layers, cut from full units
 #
-# nn.Linear stores W as (out_features, in_features) and computes x W^T. Megatron's
-# names come from Y = X A with A = W^T: "column-parallel" splits A's columns, the
-# output features (W's dim 0); "row-parallel" splits A's rows, the input features
-# (W's dim 1). Every sharded parameter carries `tp_index`, the part of the global
-# tensor it holds, in the checkpoint's terms: (dim, start, stop), or for c_attn a list
-# of three such slices (this rank's q, k and v rows).
-
+# Megatron's names come from Y = X A with A = W^T (nn.Linear stores W as (out, in)):
+# "column-parallel" splits the output features (W's dim 0), "row-parallel" the input
+# features (W's dim 1). Every sharded parameter carries `tp_index`, its part of the
+# global tensor in the checkpoint's terms: (dim, start, stop), or for c_attn a list of
+# three (this rank's q, k and v rows).
 
 class ColumnParallelLinear(nn.Module):
-    """Y_i = f(X) A_i (+ b_i): this rank's output features of an nn.Linear (weight rows
-    and bias), on the whole input, giving this rank's part of the output. parts=3 for
-    c_attn, whose rows are q, k and v stacked. (Under sequence parallelism Megatron also
-    drops f's all-gathered input after forward and gathers it again in backward; here
-    the matmul keeps it, for simplicity.)"""
+    """Y_i = f(X) A_i (+ b_i): this rank's output features of an nn.Linear (weight rows and
+    bias) on the whole input. parts=3 for c_attn (q, k and v stacked). (Under sequence
+    parallelism Megatron also drops f's all-gathered input after forward and gathers it
+    again in backward; here the matmul keeps it, for simplicity.)"""
 
     def __init__(self, linear, group=None, sp=False, parts=1):
         super().__init__()
@@ -176,13 +163,11 @@ class RowParallelLinear(nn.Module):
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Rows [lo, lo + V/N) of the token embedding. A token outside them gets zeros here;
-    the rank that owns it supplies its row, and g's sum puts every token's row in place
-    on every rank (exactly: one rank adds the row, the others zeros; the rows stay
-    float32, as the one-process run's residual stream). Pass the ids as (s, b), so that
-    the output has the (s, b, h) layout that sequence parallelism cuts along dim 0. The
-    same matrix is the output head (the tie), so its gradient collects both uses
-    locally: the tie costs no communication."""
+    """Rows [lo, lo + V/N) of the token embedding. A token outside them gets zeros here, and
+    g's sum puts every token's row in place on every rank (exactly: its owner adds the row,
+    the others zeros; float32, as the one-process run's residual stream). Pass the ids as
+    (s, b): the output is in the (s, b, h) layout sequence parallelism cuts along dim 0. The
+    tied head is the same matrix: its gradient collects both uses locally, no message."""
 
     def __init__(self, embedding, group=None, sp=False):
         super().__init__()
@@ -261,21 +246,15 @@ def sharded_param(full, dim, group, parts=1):
     p.tp_index = index
     return p
 
-# -----------------------------------------------------------------------------
-# the model: each rank's slice of model.GPT(config, seed)
+# ----------------------------------------------------------------------------- the model: each rank's slice of model.GPT
 #
-# What it buys: each rank holds 1/N of the parameters, gradients and Adam state, and 1/N
-# of the activations inside the regions (Korthikanti et al. 2022: s·b·h(10 + 24/N +
-# 5as/(hN)) bytes a layer instead of s·b·h(34 + 5as/h), 16-bit, a heads).
-#
-# Layout. The residual stream is (s, b, h), sequence first, as in Megatron: a rank's
-# sequence-parallel positions are one contiguous block of rows, so the all-gathers and
-# reduce-scatters need no copies and no transposes.
-#
+# Each rank holds 1/N of the parameters, gradients and Adam state, and 1/N of the
+# activations inside the regions (docs/memory.md). The residual stream is (s, b, h),
+# sequence first, as in Megatron: a rank's sequence-parallel positions are one block of
+# rows, so the all-gathers and reduce-scatters need no copies and no transposes.
 # Dropout (0 by default): every rank draws from one seed, so the replicated regions'
-# masks agree and the replicas stay equal, but inside a region the ranks' heads draw the
-# same masks; Megatron forks a per-rank generator there.
-
+# masks agree, but inside a region the ranks' heads draw the same masks (Megatron forks
+# a per-rank generator there).
 
 def parallel_block(block, group=None, sp=False, moe=None):
     """A model.Block cut down to this rank's heads and MLP columns (in place). A mixture of
@@ -333,9 +312,7 @@ def embed_forward(wte, wpe, idx, group=None, sp=False, dropout=0.0, training=Fal
 
 
 def block_forward(block, x):
-    """model.Block.forward in the (s, b, h) layout. Its parallel layers hold their f and
-    g: 2 all-reduces of b·s·h forward (the g's in c_proj) and 2 backward (the f's in
-    c_attn and c_fc); with sequence parallelism each is a reduce-scatter and an all-gather."""
+    """model.Block.forward in the (s, b, h) layout; its parallel layers hold their f and g."""
     x = x + attention(block.attn, block.ln_1(x))
     return x + block.mlp(block.ln_2(x))
 
@@ -365,9 +342,7 @@ def checkpoint_entries(model, group=None):
     return [(name, p, getattr(p, "tp_index", None), hasattr(p, "tp_index") or first)
             for name, p in model.named_parameters()]
 
-# -----------------------------------------------------------------------------
-# the gradient: replicas, and the global norm
-
+# ----------------------------------------------------------------------------- the gradient: replicas and the global norm
 
 def grad_sq_norm(sharded, replicated, group=None):
     """This rank's share of the squared norm of the whole model's gradient: its shards,
@@ -451,47 +426,31 @@ def main(argv=None):
         M.end_iter(run, loss=loss.item(), grad_norm=norm, state_bytes=state, act_bytes=sum(saved.values()))
     return M.finish(run)
 
-# -----------------------------------------------------------------------------
-# the bytes
-
+# ----------------------------------------------------------------------------- the bytes
 
 def activation_per_rank(config, cfg, world):
     """The bytes autograd keeps between forward and backward on a rank (the log's act_bytes):
     the blocks' (model.activation_bytes, split by the heads and MLP columns, and with
-    sequence parallelism by the positions), plus the ends'. The embedding keeps its local
-    ids (int64) and the mask of ids outside its rows (bool), and the positions; the head
-    ln_f's input and statistics (1/N of them under sequence parallelism), the matmul's
-    input (after f: every position), and the vocabulary-parallel loss its (b·s, V/N)
-    float32 softmax, the local target ids and their mask."""
+    sequence parallelism by the positions), plus the ends'."""
     dtype = M.auto_dtype() if cfg.dtype == "auto" else cfg.dtype
     d, h, n, s = (2 if dtype == "bfloat16" else 4), config.n_embd, cfg.batch_size * config.block_size, config.block_size
     sp, t = cfg.sequence_parallel, world
     blocks = M.activation_bytes(config, n, getattr(cfg, "recompute", "none"), t, sp, dtype_bytes=d)
     cut = t if sp else 1  # the positions' share outside the regions
-    embed = n * (8 + 1) + 8 * s // cut
+    embed = n * (8 + 1) + 8 * s // cut  # the local ids (int64) and their outside mask (bool); the positions
+    # ln_f's input and statistics (1/N under sequence parallelism), the matmul's input (after f:
+    # every position), the loss's (b·s, V/N) float32 softmax, the local target ids and their mask
     head = n * (d * h + 8) // cut + n * d * h + n * (4 * config.vocab_size // t + 8 + 1)
     return blocks + embed + head
 
 
 def traffic_per_rank(config, cfg, world):
-    """Bytes a rank sends per step, on average over the ranks (docs/tensor_parallel.md). An
-    all-reduce of S bytes sends 2(N-1)/N·S a rank (the ring's; collectives.py's tree for small
-    messages sends the same total, unevenly: the tests count both exactly). With b·s tokens,
-    h = n_embd, L layers and d the compute dtype's bytes, what is all-reduced:
-      blocks     2 g's forward, 2 f's backward, b·s·h each: 4L, in the compute dtype
-                 (--recompute=full reruns each block's forward up to the last tensor backward
-                 reads, torch's checkpoint "early stop": the last g is not sent again, so 5L;
-                 with sequence parallelism 5.5L, the attention's all-gather and reduce-scatter
-                 and the MLP's all-gather again)
-      head       its f, backward: 1 more, in the compute dtype (f casts its input first)
-      embedding  its g, forward: b·s·h float32 rows, as the one-process run keeps them
-      loss       3 all-reduces of b·s float32 numbers (max, target logit, sum of exp)
-      norm       the squared gradient norm, 1 float
-    so  2(N-1)/N · b·s·h · ((4L + 1)·d + 4)  +  3 · 2(N-1)/N · b·s·4  +  2(N-1)/N · 4.
-    --sequence_parallel: each all-reduce becomes a reduce-scatter plus an all-gather, the same
-    bytes; and the replicas (LayerNorms, row-parallel biases, ln_f, wpe), which now see only
-    their rank's positions, have their gradients all-reduced in float32: 2(N-1)/N · (6Lh + 2h
-    + block_size·h) · 4 more (2Lh + h + block_size·h without biases)."""
+    """Bytes a rank sends per step, on average over the ranks (docs/tensor_parallel.md, "The
+    bytes", derives it): 2(N-1)/N · b·s·h · ((4L + 1)·d + 4) + 3 · 2(N-1)/N · 4·b·s + 2(N-1)/N · 4.
+    --recompute=full: 5L instead of 4L, 5.5L with sequence parallelism (the attention's
+    all-gather and reduce-scatter and the MLP's all-gather again). --sequence_parallel adds the
+    replicas' float32 all-reduce, 2(N-1)/N · (6Lh + 2h + s·h) · 4 (2Lh + h + s·h without biases).
+    collectives.py's tree for small messages sends the ring's total, unevenly."""
     dtype = M.auto_dtype() if cfg.dtype == "auto" else cfg.dtype
     d = 2 if dtype == "bfloat16" else 4
     ar = 2 * (world - 1) / world  # an all-reduce, or a reduce-scatter plus an all-gather
