@@ -12,19 +12,18 @@ state_bytes) and the formulas the tests hold the log to (traffic_per_rank, state
 derived in docs/data_parallel.md and docs/formulas.md). parallel_nd.py drives the same Unit and
 Gathers from its pipeline stage's hooks (Handoff, GradReduces, FullState: above main() too).
 
-What is split. The batch, as in ddp.py; and the model, cut into units: each block, and the two
-ends (embeddings, final norm and the tied head: one unit, so the tied matrix is stored,
-gathered and reduced once). A unit's parameters lie end to end in flat buffers padded to a
-multiple of N; rank r keeps slice r, its shard: the fp32 master weights, their gradient,
-Adam's m and v. ZeRO-1/2 keep every unit's full weights too, ZeRO-1 the full gradient.
+What is split: the batch, as in ddp.py; and the model, in units (each block; the two ends, one
+unit, so the tied matrix is gathered and reduced once), each laid flat and padded to a multiple
+of N: rank r keeps slice r, its shard of the fp32 master weights, their gradient, Adam's m and v
+(ZeRO-1/2 keep the full weights too, ZeRO-1 the full gradient).
 
-What is sent, for each micro-batch (micro_step): ZeRO-3's forward all-gathers a unit's weights
-just before it runs and frees them right after; the head runs forward and backward on one
-gather of the ends; backward all-gathers each block again (L-1 down to 0), backpropagates,
-frees it and reduce-scatters its gradient into this rank's gradient shard. --prefetch=k issues
-the next k units' all-gathers while one computes (Gathers). ZeRO-2 reduce-scatters in backward
-the same way, ZeRO-1 once a step; both then all-gather the updated weights. In bf16 a block's
-linear weights travel in bf16, its norms and the ends in fp32; gradients in fp32.
+What is sent, a micro-batch (micro_step): ZeRO-3 all-gathers a unit's weights just before it
+runs and frees them after; the head runs forward and backward on one gather of the ends;
+backward gathers each block again (L-1 down to 0), backpropagates, frees it and reduce-scatters
+its gradient into the shard; --prefetch=k issues k all-gathers ahead (Gathers). ZeRO-2
+reduce-scatters in backward the same way, ZeRO-1 once a step; both all-gather the updated
+weights after the step. In bf16 a block's linear weights travel in bf16, the rest and every
+gradient in fp32. docs/data_parallel.md has it in full.
 """
 from collections import deque
 from dataclasses import dataclass
@@ -61,24 +60,22 @@ class Sharded:
 
 
 def gather_dtype(name, low):
-    """What a unit's full copy of a parameter is: what autocast computes with. A block's linear
-    weights and biases in `low` (bf16 in a bf16 run: half the bytes sent); LayerNorm, a router
-    and the ends in fp32, as autocast keeps them (PyTorch FSDP's MixedPrecision(param_dtype=bf16)
-    gathers everything in bf16: a slightly other model). name: in the block, or in
-    parallel_nd.py's stage ("transformer.h.3.attn.c_attn.weight")."""
+    """A unit's full copy of a parameter is what autocast computes with: a block's linear weights
+    and biases in `low` (bf16: half the bytes sent); LayerNorm, a router and the ends in fp32
+    (PyTorch FSDP's MixedPrecision(param_dtype=bf16) gathers all in bf16: a slightly other model).
+    name: in the block, or in parallel_nd.py's stage ("transformer.h.3.attn.c_attn.weight")."""
     name = name.split(".", 3)[3] if name.startswith("transformer.h.") else name
     return low if name.startswith(("attn.", "mlp.")) and not name.startswith("mlp.router") else torch.float32
 
 
 class Unit:
-    """One unit on this rank. Its parameters (`named`: a module's) lie end to end in one flat
-    buffer per gather dtype (a part), padded to a multiple of the group's N ranks, and become
-    views into those buffers. Rank r keeps slice r of each part in fp32, its shard (the master
-    weights the optimizer updates), and their gradient. ZeRO-3 holds the full buffers only from
-    gather() to free(): freeing shrinks their storage to nothing, even where autograd's graph
-    still refers to them, and gathering fills the same storage again, so the graph finds its
-    weights back in backward (PyTorch's FSDP frees the same way). ZeRO-1/2 keep them (a fp32
-    shard is a slice of them), ZeRO-1 the full fp32 gradient too. live: LiveUnits, or None."""
+    """One unit on this rank: its parameters (`named`, a module's) become views into one flat
+    buffer per gather dtype (a part), padded to a multiple of the group's N ranks. Rank r keeps
+    slice r of each part in fp32 (its shard: the master weights the optimizer updates) and its
+    gradient. ZeRO-3 holds the full buffers only from gather() to free(): freeing shrinks their
+    storage to nothing under autograd's graph, gathering refills the same storage, so backward
+    finds its weights there (as PyTorch's FSDP does). ZeRO-1/2 keep them, ZeRO-1 the full fp32
+    gradient too. live: LiveUnits, or None."""
 
     def __init__(self, named, group, zero_stage, device, low=torch.float32, name="", live=None):
         self.group, self.zero_stage, self.name, self.live = group, zero_stage, name, live
@@ -159,11 +156,10 @@ class Unit:
         return self, pending
 
     def pieces(self):
-        """[(name, view, parameter, start, stop)] for the piece of each parameter in this rank's
-        shards: parameter.view(-1)[start:stop]. The optimizer updates the shard in place
-        through these views and reads the gradient shard through their .grad. nanoGPT's decay
-        rule (model.decays) looks at the shape, so a piece of a matrix is a one-row matrix.
-        Made once: the optimizer's state is keyed by these views."""
+        """[(name, view, parameter, start, stop)]: each parameter's piece in this rank's shards,
+        parameter.view(-1)[start:stop]; the optimizer updates the shard through these views and
+        reads the gradient shard through their .grad (a matrix's piece a one-row matrix, for
+        model.decays). Made once: the optimizer's state is keyed by these views."""
         if hasattr(self, "mine"):
             return self.mine
         out = []
@@ -189,9 +185,6 @@ class Unit:
         """This rank's gradient shards, fp32, one a part (padding included)."""
         return self.grads
 
-    def gathered(self):
-        return self.full[0].untyped_storage().nbytes() > 0
-
     def zero_grad(self):
         """Before a step: ZeRO-1's full gradient zeroed and handed to autograd as the parameters'
         .grad (it accumulates into them in place); ZeRO-2/3: none, autograd allocates."""
@@ -203,9 +196,8 @@ class Unit:
 
     def start_reduce(self):
         """Start reduce-scattering the parameters' .grad (every micro-batch's, summed), and drop
-        it (ZeRO-2/3: the flat copy is on its way). Whatever gradient autograd left ends in the
-        flat buffer: ZeRO-1's .grad replaced by another tensor (a caller's
-        zero_grad(set_to_none=True)) is added into it, not lost. -> for finish_reduce()"""
+        it (ZeRO-2/3: the flat copy is on its way). ZeRO-1's .grad replaced by another tensor (a
+        caller's zero_grad(set_to_none=True)) is added into the flat buffer, not lost. -> for finish_reduce()"""
         if self.zero_stage == 1:
             for p, view in zip(self.params, self.views(self.full_grad)):
                 if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
@@ -250,11 +242,10 @@ class Unit:
 
 
 def add_reduced(reducing, replace=False):
-    """Wait for a reduce-scatter from Unit.reduce_scatter and add it into the gradient shard
-    (the sum over micro-steps, in fp32). replace: ZeRO-1's gradient shard is the slice of the
-    full gradient it was reduced from, so the sum over ranks replaces it. The optimizer's
-    pieces are pointed at the shard again: a caller's zero_grad(set_to_none=True) must not
-    leave a piece without the gradient this rank reduced."""
+    """Wait for a reduce-scatter from Unit.reduce_scatter and add it into the gradient shard (the
+    sum over micro-steps, in fp32); replace: ZeRO-1's shard is a slice of the full gradient it was
+    reduced from. The optimizer's pieces are pointed at the shard again: a caller's
+    zero_grad(set_to_none=True) must not leave a piece without the gradient this rank reduced."""
     if reducing is None:
         return
     u, pending = reducing
@@ -266,15 +257,13 @@ def add_reduced(reducing, replace=False):
 
 
 class Gathers:
-    """The all-gathers of one pass over the units, issued in `schedule`, the order in which
-    the units will compute, and at most `prefetch` ahead of the unit computing.
-    take(u): u's full weights, its all-gather done (issued now if it was not ahead); a unit
-    taken and not freed since is kept (parallel_nd.py's pipeline keeps its units to the step's
-    end, each listed once: every micro-batch's forward and backward reuse one gather).
-    prefetch(): issue the next units' all-gathers, to travel while u computes.
-    free(u): u's weights go, unless its next all-gather is already issued (the last block's,
-    for backward, while its forward computes): the memory stays, written with the same weights.
-    waits: (start, end) of each wait, an instrument (on a GPU, reading them waits)."""
+    """The all-gathers of one pass over the units, issued in `schedule` (the order the units
+    compute in), at most `prefetch` ahead of the unit computing. take(u): u's full weights, its
+    all-gather done (issued now if it was not ahead); a unit taken and not freed since is kept
+    (parallel_nd.py's pipeline lists each unit once: every micro-batch reuses one gather).
+    prefetch(): issue the next all-gathers, to travel while u computes. free(u): u's weights go,
+    unless its next all-gather is already issued (the last block's, for backward, while its
+    forward computes). waits: (start, end) of each wait, an instrument."""
 
     def __init__(self, schedule, prefetch):
         self.todo, self.ahead, self.n = deque(schedule), deque(), prefetch  # not issued yet; issued, not taken
@@ -324,39 +313,29 @@ def leaf(t):
 # a step: ZeRO-3's units hold their full weights only while they compute
 
 
-# --recompute under ZeRO-3: the weights are re-gathered for backward whatever it says; what
-# autograd keeps of the activations is what --recompute decides, as in every strategy: none,
-# gelu: forward builds the block's graph on weights then freed under it, backward runs it on
-# the re-gathered ones; full: forward keeps each block's input only, backward recomputes.
-
-
-def forward(net, idx, gathers, kept=None):
+def forward(net, idx, gathers):
     """The embedding and the blocks, each on its just-gathered weights, freed as soon as it is
-    done. kept: None (validation: no autograd) or a list that gets, per block, (input, output):
-    the graph from input to output on weights since freed, or under --recompute=full
-    (input, None)."""
+    done. -> (the output, per block (input, output) and, outside no_grad, the graph between them
+    on weights since freed: backward re-gathers them into the same memory). What the graph keeps
+    of the activations is --recompute's (model.recompute_block; full: the input only, the block
+    rerun in backward on the re-gathered weights)."""
     ends = net.units[0]
     gathers.take(ends)
     gathers.prefetch()  # the next units' all-gathers travel while the embedding computes
     with torch.no_grad():
         h = ends.run(idx)
     gathers.free(ends)
+    kept = []
     for k, u in enumerate(net.units[1:]):
         gathers.take(u)
         gathers.prefetch()
         with M.span(f"forward block {k}"):
-            if kept is None or net.recompute == "full":
-                if kept is not None:
-                    kept.append((h, None))
-                with torch.no_grad():
-                    h = u.run(h)
-            else:
-                h_in = leaf(h)
-                out = M.recompute_block(u.run, h_in, net.recompute)
-                kept.append((h_in, out))
-                h = out.detach()
+            h_in = leaf(h)
+            out = M.recompute_block(u.run, h_in, net.recompute)
+            kept.append((h_in, out))
+            h = out.detach()
         gathers.free(u)
-    return h
+    return h, kept
 
 
 def micro_step(net, x, y, scale):
@@ -367,16 +346,13 @@ def micro_step(net, x, y, scale):
     ends, blocks = net.units[0], net.units[1:]
     order = [ends, *blocks, ends, *reversed(blocks)]  # the order the units compute in
     gathers = Gathers(order, net.prefetch) if net.zero_stage == 3 else Kept()
-    kept = []
     counting, saved = M.saved_bytes([], net.live.weights, on=net.count_saved)  # gathered weights: not activations
     with net.autocast, counting:
-        h = leaf(forward(net, x, gathers, kept))
+        h, kept = forward(net, x, gathers)
+        h = leaf(h)
         gathers.take(ends)  # the head: forward and backward at once, on one gather of the ends
         gathers.prefetch()
         loss = ends.run(h, y)
-    for h_in, out in kept:
-        if out is None:  # full: the inputs are kept by hand, not by autograd, and counted as the same
-            saved[h_in.untyped_storage().data_ptr()] = h_in.untyped_storage().nbytes()
     gh, *g_ends = torch.autograd.grad(loss * scale, [h, *ends.params], allow_unused=True, materialize_grads=True)
     gathers.free(ends)
     reducing = None
@@ -384,10 +360,6 @@ def micro_step(net, x, y, scale):
         gathers.take(u)  # the weights come back: into the memory the kept graph refers to
         gathers.prefetch()  # the next blocks' all-gathers travel while this one computes
         with M.span(f"backward block {k}"):
-            if out is None:  # full: rerun the block, with autograd this time
-                h_in = leaf(h_in)
-                with net.autocast:
-                    out = u.run(h_in)
             gh, *g = torch.autograd.grad(out, [h_in, *u.params], gh)
         gathers.free(u)  # the weights go
         reducing = accumulate(net, u, g, reducing)
@@ -442,7 +414,7 @@ def val_loss(net, x, y):
     ends = net.units[0]
     gathers = Gathers([*net.units, ends], net.prefetch) if net.zero_stage == 3 else Kept()
     with net.autocast:
-        h = forward(net, x, gathers)
+        h, _ = forward(net, x, gathers)
         gathers.take(ends)
         loss = ends.run(h, y)
     gathers.free(ends)
@@ -450,9 +422,8 @@ def val_loss(net, x, y):
 
 
 def gather_full_weights(net):
-    """ZeRO-1/2: every rank all-gathers every unit's shards into its full weights (after each
-    optimizer step, and once at the start, from the initial or the loaded shards). A fp32
-    shard is already its slice of the full weights: the gather fills in the other ranks'."""
+    """ZeRO-1/2: every unit's full weights all-gathered from the shards (at the start and after
+    each optimizer step); a fp32 shard is already its slice of them: the others' are filled in."""
     for u in net.units:
         u.gather()
 
@@ -528,11 +499,10 @@ class Handoff(torch.autograd.Function):
 
 class GradReduces:
     """The reduce-scatters of units whose gradients backward() accumulates in .grad: `overlap`'s
-    units each start as soon as the last micro-batch's backward has reached every one of its
-    parameters (`sync`, set by the caller for that micro-batch; earlier ones only accumulate):
-    the previous unit's finished (its flat copy freed), this one's started and its .grad
-    dropped, so backward ends holding one unit's gradient in flight, not two copies of all.
-    finish(units): the one in flight waited for, the rest sent now. waits, as Gathers'."""
+    units each start once the last micro-batch's backward (`sync`, set by the caller) has reached
+    all their parameters: the previous unit's finished, this one's started and its .grad dropped,
+    so backward holds one unit's gradient in flight, not two copies of all. finish(units): the
+    one in flight waited for, the rest sent now. waits, as Gathers'."""
 
     def __init__(self, overlap):
         self.sync, self.seen, self.sent, self.reducing, self.waits = False, {}, set(), None, []
@@ -564,10 +534,9 @@ class GradReduces:
 
 class FullState:
     """What model.py's checkpoints see of a sharded optimizer: its param_groups (the learning
-    rate), and a `state` keyed by the units' full fp32 parameters (Unit.master_params):
-    unshard() fills it before a save; model.restore() from a checkpoint, then reshard().
-    (A checkpoint of full tensors, loaded and saved by any layout: parallel_nd.py's entries
-    are tensor parallel slices, which no flat piece can name.)"""
+    rate) and a `state` keyed by the units' full fp32 parameters (Unit.master_params), filled by
+    unshard() before a save, or by model.restore() before reshard(): full tensors, which any
+    layout loads (parallel_nd.py's entries are tensor parallel slices: no flat piece names them)."""
 
     def __init__(self, optimizer):
         self.optimizer, self.state = optimizer, {}
@@ -590,13 +559,11 @@ def full_params(units):
 
 @torch.no_grad()
 def unshard(units, optimizer, full_state):
-    """Every unit's full weights (ZeRO-3: gathered) and Adam's moments all-gathered over the
-    group into full-parameter tensors, into full_state, for a checkpoint. Untracked."""
+    """Every unit's full weights (full_params) and Adam's moments all-gathered over the group
+    into full-parameter tensors, into full_state, for a checkpoint. Untracked."""
+    full_params(units)
     with C.untracked():
         for u in units:
-            if not u.full[0].untyped_storage().nbytes():  # freed
-                u.gather()
-            u.gather_masters()
             moments = {}
             for m in M.MOMENTS:
                 mine = [torch.zeros_like(t) for t in u.masters]  # this rank's pieces, where they lie in the full part
@@ -732,11 +699,9 @@ def unit_parts(config, cfg, world):
 
 
 def traffic_per_rank(config, cfg, world):
-    """Bytes one rank sends per step (the average over ranks): each unit's parts (padded, Ψ in
-    all) all-gathered in their dtype and reduce-scattered in fp32, (N-1)/N of the bytes each:
-    ZeRO-3 3(N-1)/N·4Ψ·n_micro (two gathers, one reduce-scatter a micro-step), ZeRO-2
-    (n_micro + 1)(N-1)/N·4Ψ, ZeRO-1 2(N-1)/N·4Ψ, in fp32; plus the norm's float
-    (docs/formulas.md)."""
+    """Bytes one rank sends per step (the average over ranks): each unit's padded parts all-gathered
+    in their dtype, reduce-scattered in fp32, plus the norm's float; ZeRO-3 3(N-1)/N·4Ψ·n_micro in
+    fp32 (docs/formulas.md)."""
     found = unit_parts(config, cfg, world)
     gather, reduce = sum(p * b for _, p, b in found), sum(p * 4 for _, p, _ in found)
     a = cfg.n_micro
@@ -746,11 +711,9 @@ def traffic_per_rank(config, cfg, world):
 
 
 def state_per_rank(config, cfg, world):
-    """Bytes of parameters, gradients and Adam's state on each rank: what state_bytes() measures.
-    Each part of n elements is padded to P = N·⌈n/N⌉, rank r keeps S = P/N of it, R_r real (Adam's
-    moments only for those); W = 2P_lo + 4(P - P_lo) the full weights (P_lo: parts gathered in bf16):
-    ZeRO-3 8S + 8R_r, ZeRO-2 W + 4S_lo + 4S + 8R_r, ZeRO-1 W + 4S_lo + 4P + 8R_r; without padding
-    in fp32 16Ψ/N, 4Ψ + 12Ψ/N, 8Ψ + 8Ψ/N (docs/formulas.md). -> [bytes on rank r for r in range(N)]"""
+    """Bytes of parameters, gradients and Adam's state on each rank (what state_bytes() measures):
+    P padded elements, S = P/N a rank's, R_r of them real, W the full weights, _lo the bf16 parts;
+    ZeRO-3 8S + 8R_r, in fp32 16Ψ/N (docs/formulas.md). -> [bytes on rank r for r in range(N)]"""
     found = unit_parts(config, cfg, world)
     P = sum(p for _, p, _ in found)
     P_lo = sum(p for _, p, b in found if b == 2)
