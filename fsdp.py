@@ -179,7 +179,8 @@ class Unit:
         self.mine = out
         return out
 
-    # a module trained by backward() into .grad (parallel_nd.py's stage), not by fsdp.py's loops
+    # a module trained by backward() into .grad (parallel_nd.py's stage); fsdp.py's ZeRO-1 reduces
+    # its full gradient once a step with start_reduce and finish_reduce too
 
     def grad_shards(self):
         """This rank's gradient shards, fp32, one a part (padding included)."""
@@ -363,7 +364,12 @@ def micro_step(net, x, y, scale):
             gh, *g = torch.autograd.grad(out, [h_in, *u.params], gh)
         gathers.free(u)  # the weights go
         reducing = accumulate(net, u, g, reducing)
-    embedding_backward(dict(zip(ends.names, g_ends)), x, gh)
+    # the embedding's gradient, without its weights: wte's row t and wpe's row p get the output
+    # gradient wherever they were used, summed apart, then added to the head's (the tied matrix),
+    # as autograd does: the one-process run's rounding
+    gh, g = gh.float(), dict(zip(ends.names, g_ends))  # the residual stream's gradient: fp32 under autocast too
+    g["wte.weight"] += torch.zeros_like(g["wte.weight"]).index_add_(0, x.view(-1), gh.view(-1, gh.size(-1)))
+    g["wpe.weight"][:x.size(1)] += gh.sum(0)
     add_reduced(accumulate(net, ends, g_ends, reducing))  # the tied matrix: head and embedding, reduced once
     return loss.detach(), sum(saved.values())
 
@@ -378,16 +384,6 @@ def accumulate(net, u, grads, reducing):
         return None
     add_reduced(reducing)
     return u.reduce_scatter(u.flat_grads(grads))
-
-
-def embedding_backward(g, idx, gh):
-    """The embedding's gradient without its weights: token t's row of wte and position p's
-    row of wpe receive the output gradient at every place they were used. The lookup's
-    gradient is summed apart, then added to the head's (g holds it), as autograd does for
-    the tied matrix: the same rounding as the one-process run."""
-    gh = gh.float()  # the residual stream's gradient: fp32 under autocast too
-    g["wte.weight"] += torch.zeros_like(g["wte.weight"]).index_add_(0, idx.view(-1), gh.view(-1, gh.size(-1)))
-    g["wpe.weight"][:idx.size(1)] += gh.sum(0)
 
 
 def train_step(net, run, it):
