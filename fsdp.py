@@ -12,18 +12,14 @@ state_bytes) and the formulas the tests hold the log to (traffic_per_rank, state
 derived in docs/data_parallel.md and docs/formulas.md). parallel_nd.py drives the same Unit and
 Gathers from its pipeline stage's hooks (Handoff, GradReduces, FullState: above main() too).
 
-What is split: the batch, as in ddp.py; and the model, in units (each block; the two ends, one
-unit, so the tied matrix is gathered and reduced once), each laid flat and padded to a multiple
-of N: rank r keeps slice r, its shard of the fp32 master weights, their gradient, Adam's m and v
-(ZeRO-1/2 keep the full weights too, ZeRO-1 the full gradient).
-
-What is sent, a micro-batch (micro_step): ZeRO-3 all-gathers a unit's weights just before it
-runs and frees them after; the head runs forward and backward on one gather of the ends;
-backward gathers each block again (L-1 down to 0), backpropagates, frees it and reduce-scatters
-its gradient into the shard; --prefetch=k issues k all-gathers ahead (Gathers). ZeRO-2
-reduce-scatters in backward the same way, ZeRO-1 once a step; both all-gather the updated
-weights after the step. In bf16 a block's linear weights travel in bf16, the rest and every
-gradient in fp32. docs/data_parallel.md has it in full.
+What is split: the batch, as in ddp.py, and the model in units (each block; the two ends, one
+unit, so the tied matrix is gathered and reduced once): rank r keeps slice r of each, its shard
+of the fp32 master weights, their gradient and Adam's m and v. What is sent, a micro-batch
+(micro_step): ZeRO-3 all-gathers a unit just before it computes and frees it after, in forward
+and again in backward (L-1 down to 0), where each block's gradient is then reduce-scattered
+into the shards; --prefetch=k issues k all-gathers ahead (Gathers). ZeRO-1/2 keep the full
+weights and all-gather them after the step; ZeRO-2 reduce-scatters in backward, ZeRO-1 once a
+step. In bf16 a block's linear weights travel in bf16, the rest and every gradient in fp32.
 """
 from collections import deque
 from dataclasses import dataclass
