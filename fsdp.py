@@ -43,12 +43,9 @@ DEFAULTS = dict(
 class Sharded:
     """The model as this rank holds it, and what its steps need besides a batch."""
     units: list         # units[0]: the ends (embeddings, final norm, tied head); then the blocks in order
-    zero_stage: int     # --zero_stage: 3 shards the weights too; 1 and 2 keep them whole
-    prefetch: int       # --prefetch
+    cfg: object         # the flags: zero_stage, prefetch, recompute, compile
     autocast: object    # the run's autocast context (bf16), or a null one
     live: "LiveUnits"   # an instrument: which units' full weights exist now, the most at once (after main())
-    recompute: str      # --recompute: what a block keeps for backward (forward(), model.recompute_block)
-    count_saved: bool   # count what autograd keeps (act_bytes); off under --compile
 
 
 # -----------------------------------------------------------------------------
@@ -295,10 +292,7 @@ class Gathers:
 
 class Kept:
     """ZeRO-1/2's Gathers: every unit's full weights are kept; nothing to gather or free."""
-
-    def take(self, *_):
-        pass
-    prefetch = free = take
+    take = prefetch = free = staticmethod(lambda *_: None)
 
 
 def leaf(t):
@@ -328,7 +322,7 @@ def forward(net, idx, gathers):
         gathers.prefetch()
         with M.span(f"forward block {k}"):
             h_in = leaf(h)
-            out = M.recompute_block(u.run, h_in, net.recompute)
+            out = M.recompute_block(u.run, h_in, net.cfg.recompute)
             kept.append((h_in, out))
             h = out.detach()
         gathers.free(u)
@@ -342,8 +336,8 @@ def micro_step(net, x, y, scale):
     -> (the loss, the bytes kept for backward at the head's backward)"""
     ends, blocks = net.units[0], net.units[1:]
     order = [ends, *blocks, ends, *reversed(blocks)]  # the order the units compute in
-    gathers = Gathers(order, net.prefetch) if net.zero_stage == 3 else Kept()
-    counting, saved = M.saved_bytes([], net.live.weights, on=net.count_saved)  # gathered weights: not activations
+    gathers = Gathers(order, net.cfg.prefetch) if net.cfg.zero_stage == 3 else Kept()
+    counting, saved = M.saved_bytes([], net.live.weights, on=not net.cfg.compile)  # gathered weights: not activations
     with net.autocast, counting:
         h, kept = forward(net, x, gathers)
         h = leaf(h)
@@ -374,7 +368,7 @@ def accumulate(net, u, grads, reducing):
     """ZeRO-1: u's gradient added to its full fp32 gradient (reduce-scattered once a step).
     ZeRO-2/3: the previous unit's reduce-scatter finished, u's started: it travels while the
     next block's backward computes. -> what is in flight"""
-    if net.zero_stage == 1:
+    if net.cfg.zero_stage == 1:
         for full_grad, g in zip(u.full_grad, u.flat_grads(grads)):
             full_grad += g  # in fp32
         return None
@@ -394,7 +388,7 @@ def train_step(net, run, it):
         x, y = M.batch(run, it, "train", m, n, run.rank, run.world)
         micro_loss, micro_act = micro_step(net, x, y, 1.0 / n)
         loss, act = loss + micro_loss / n, max(act, micro_act)
-    if net.zero_stage == 1:  # one reduce-scatter a unit per step, whatever n_micro is
+    if net.cfg.zero_stage == 1:  # one reduce-scatter a unit per step, whatever n_micro is
         for u in net.units:
             u.finish_reduce(u.start_reduce())
     return loss, act
@@ -404,7 +398,7 @@ def train_step(net, run, it):
 def val_loss(net, x, y):
     """The loss of a batch without gradients (validation): ZeRO-3 gathers in forward only."""
     ends = net.units[0]
-    gathers = Gathers([*net.units, ends], net.prefetch) if net.zero_stage == 3 else Kept()
+    gathers = Gathers([*net.units, ends], net.cfg.prefetch) if net.cfg.zero_stage == 3 else Kept()
     with net.autocast:
         h, _ = forward(net, x, gathers)
         gathers.take(ends)
@@ -602,10 +596,9 @@ def main(argv=None):
         M.die(f"--batch_size={cfg.batch_size} does not divide into {world} rank{'s' * (world > 1)} x {cfg.n_micro} micro-steps")
     zero_stage = cfg.zero_stage
     live = LiveUnits()
-    net = Sharded(build_units(config, cfg, device, live), zero_stage, cfg.prefetch, run.autocast, live,
-                  cfg.recompute, not cfg.compile)
+    net = Sharded(build_units(config, cfg, device, live), cfg, run.autocast, live)
     units = net.units
-    # the optimizer's pieces, and a checkpoint's (every rank's shards): each a ("flat", start, stop) piece of a global parameter
+    # the optimizer's pieces, and a checkpoint's (every rank's shards): ("flat", start, stop) of a global parameter
     pieces = [(u.prefix + name, p, ("flat", lo, hi)) for u in units for name, p, _, lo, hi in u.pieces()]
     optimizer = M.make_optimizer([(name, p) for name, p, _ in pieces], cfg, device)
     M.restore(run, [(name, p, index, True) for name, p, index in pieces], optimizer)
