@@ -301,7 +301,7 @@ def leaf(t):
 
 
 # -----------------------------------------------------------------------------
-# a step: ZeRO-3's units hold their full weights only while they compute
+# a step, every ZeRO stage: ZeRO-3's units hold their full weights only while they compute
 
 
 def forward(net, idx, gathers):
