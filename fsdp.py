@@ -7,23 +7,19 @@ no rank holds the whole model; ZeRO-1 and ZeRO-2, the lighter rungs, beside it t
     torchrun --nproc_per_node=8 fsdp.py --model=gpt2-xl --batch_size=64 --prefetch=2
     torchrun --nproc_per_node=4 fsdp.py --zero_stage=2    # or 1: a lighter rung, to compare memory
 
-What is split. The batch, as in ddp.py; and the model, cut into units: each block, and the two
-ends (embeddings, final norm and the tied head: one unit, so the tied matrix is stored,
-gathered and reduced once). A unit's parameters lie end to end in flat buffers padded to a
-multiple of N; rank r keeps slice r, its shard: the fp32 master weights, their gradient,
-Adam's m and v. ZeRO-1/2 keep every unit's full weights too, ZeRO-1 the full gradient.
+The lesson is everything above main(); below the fence after it: the instruments (LiveUnits,
+state_bytes) and the formulas the tests hold the log to (traffic_per_rank, state_per_rank;
+derived in docs/data_parallel.md and docs/formulas.md). parallel_nd.py drives the same Unit and
+Gathers from its pipeline stage's hooks (Handoff, GradReduces, FullState: above main() too).
 
-What is sent, for each micro-batch of ZeRO-3 (zero3_micro_step): forward all-gathers a unit's
-weights just before it runs and frees them right after; the head runs forward and backward on
-one gather of the ends; backward all-gathers each block again (L-1 down to 0), backpropagates,
-frees it and reduce-scatters its gradient into this rank's gradient shard. --prefetch=k issues
-the next k units' all-gathers while one computes (Gathers). ZeRO-1/2 (zero12_step)
-reduce-scatter the gradients, step on the shards and all-gather the updated weights. In bf16
-a block's linear weights travel in bf16, its norms and the ends in fp32; gradients in fp32.
-
-The lesson is everything above main(); below the fence after it: the instruments (LiveUnits)
-and the formulas the tests hold the log to (traffic_per_rank, state_per_rank). parallel_nd.py
-drives the same Unit and Gathers through its pipeline stage's hooks (Handoff, GradReduces).
+What is split: the batch, as in ddp.py, and the model in units (each block; the two ends, one
+unit, so the tied matrix is gathered and reduced once): rank r keeps slice r of each, its shard
+of the fp32 master weights, their gradient and Adam's m and v. What is sent, a micro-batch
+(micro_step): ZeRO-3 all-gathers a unit just before it computes and frees it after, in forward
+and again in backward (L-1 down to 0), where each block's gradient is then reduce-scattered
+into the shards; --prefetch=k issues k all-gathers ahead (Gathers). ZeRO-1/2 keep the full
+weights and all-gather them after the step; ZeRO-2 reduce-scatters in backward, ZeRO-1 once a
+step. In bf16 a block's linear weights travel in bf16, the rest and every gradient in fp32.
 """
 from collections import deque
 from dataclasses import dataclass
@@ -35,20 +31,21 @@ import torch.nn as nn
 import collectives as C
 import model as M
 
-DEFAULTS = dict(M.TRAIN_DEFAULTS, zero_stage=3, prefetch=1, n_micro=1)
+DEFAULTS = dict(
+    M.TRAIN_DEFAULTS,
+    zero_stage=3,           # 3: weights, gradients and Adam's state sharded; 2: gradients and state; 1: state
+    prefetch=1,             # ZeRO-3: units whose all-gathers run ahead of the one computing (0: none)
+    n_micro=1,              # micro-batches per optimizer step (gradient accumulation)
+)
 
 
 @dataclass
 class Sharded:
     """The model as this rank holds it, and what its steps need besides a batch."""
     units: list         # units[0]: the ends (embeddings, final norm, tied head); then the blocks in order
-    group: object       # the process group the units are sharded over (None: the whole world)
-    zero_stage: int     # --zero_stage: 3 shards the weights too; 1 and 2 keep them whole
-    prefetch: int       # ZeRO-3: how many units' all-gathers run ahead of the unit computing
+    cfg: object         # the flags: zero_stage, prefetch, recompute, compile
     autocast: object    # the run's autocast context (bf16), or a null one
     live: "LiveUnits"   # an instrument: which units' full weights exist now, the most at once (after main())
-    recompute: str = "none"  # --recompute: what a block keeps for backward (below, and model.recompute_block)
-    count_saved: bool = True  # count what autograd keeps (act_bytes); off under --compile
 
 
 # -----------------------------------------------------------------------------
@@ -56,24 +53,22 @@ class Sharded:
 
 
 def gather_dtype(name, low):
-    """What a unit's full copy of a parameter is: what autocast computes with. A block's linear
-    weights and biases in `low` (bf16 in a bf16 run: half the bytes sent); LayerNorm, a router
-    and the ends in fp32, as autocast keeps them (PyTorch FSDP's MixedPrecision(param_dtype=bf16)
-    gathers everything in bf16: a slightly other model). name: in the block, or in
-    parallel_nd.py's stage ("transformer.h.3.attn.c_attn.weight")."""
+    """A unit's full copy of a parameter is what autocast computes with: a block's linear weights
+    and biases in `low` (bf16: half the bytes sent); LayerNorm, a router and the ends in fp32
+    (PyTorch FSDP's MixedPrecision(param_dtype=bf16) gathers all in bf16: a slightly other model).
+    name: in the block, or in parallel_nd.py's stage ("transformer.h.3.attn.c_attn.weight")."""
     name = name.split(".", 3)[3] if name.startswith("transformer.h.") else name
     return low if name.startswith(("attn.", "mlp.")) and not name.startswith("mlp.router") else torch.float32
 
 
 class Unit:
-    """One unit on this rank. Its parameters (`named`: a module's) lie end to end in one flat
-    buffer per gather dtype (a part), padded to a multiple of the group's N ranks, and become
-    views into those buffers. Rank r keeps slice r of each part in fp32, its shard (the master
-    weights the optimizer updates), and their gradient. ZeRO-3 holds the full buffers only from
-    gather() to free(): freeing shrinks their storage to nothing, even where autograd's graph
-    still refers to them, and gathering fills the same storage again, so the graph finds its
-    weights back in backward (PyTorch's FSDP frees the same way). ZeRO-1/2 keep them (a fp32
-    shard is a slice of them), ZeRO-1 the full fp32 gradient too. live: LiveUnits, or None."""
+    """One unit on this rank: its parameters (`named`, a module's) become views into one flat
+    buffer per gather dtype (a part), padded to a multiple of the group's N ranks. Rank r keeps
+    slice r of each part in fp32 (its shard: the master weights the optimizer updates) and its
+    gradient. ZeRO-3 holds the full buffers only from gather() to free(): freeing shrinks their
+    storage to nothing under autograd's graph, gathering refills the same storage, so backward
+    finds its weights there (as PyTorch's FSDP does). ZeRO-1/2 keep them, ZeRO-1 the full fp32
+    gradient too. live: LiveUnits, or None."""
 
     def __init__(self, named, group, zero_stage, device, low=torch.float32, name="", live=None):
         self.group, self.zero_stage, self.name, self.live = group, zero_stage, name, live
@@ -154,11 +149,10 @@ class Unit:
         return self, pending
 
     def pieces(self):
-        """[(name, view, parameter, start, stop)] for the piece of each parameter in this rank's
-        shards: parameter.view(-1)[start:stop]. The optimizer updates the shard in place
-        through these views and reads the gradient shard through their .grad. nanoGPT's decay
-        rule (model.decays) looks at the shape, so a piece of a matrix is a one-row matrix.
-        Made once: the optimizer's state is keyed by these views."""
+        """[(name, view, parameter, start, stop)]: each parameter's piece in this rank's shards,
+        parameter.view(-1)[start:stop]; the optimizer updates the shard through these views and
+        reads the gradient shard through their .grad (a matrix's piece a one-row matrix, for
+        model.decays). Made once: the optimizer's state is keyed by these views."""
         if hasattr(self, "mine"):
             return self.mine
         out = []
@@ -178,14 +172,12 @@ class Unit:
         self.mine = out
         return out
 
-    # a module trained by backward() into .grad (parallel_nd.py's stage), not by fsdp.py's loops
+    # a module trained by backward() into .grad (parallel_nd.py's stage); fsdp.py's ZeRO-1 reduces
+    # its full gradient once a step with start_reduce and finish_reduce too
 
     def grad_shards(self):
         """This rank's gradient shards, fp32, one a part (padding included)."""
         return self.grads
-
-    def gathered(self):
-        return self.full[0].untyped_storage().nbytes() > 0
 
     def zero_grad(self):
         """Before a step: ZeRO-1's full gradient zeroed and handed to autograd as the parameters'
@@ -198,9 +190,8 @@ class Unit:
 
     def start_reduce(self):
         """Start reduce-scattering the parameters' .grad (every micro-batch's, summed), and drop
-        it (ZeRO-2/3: the flat copy is on its way). Whatever gradient autograd left ends in the
-        flat buffer: ZeRO-1's .grad replaced by another tensor (a caller's
-        zero_grad(set_to_none=True)) is added into it, not lost. -> for finish_reduce()"""
+        it (ZeRO-2/3: the flat copy is on its way). ZeRO-1's .grad replaced by another tensor (a
+        caller's zero_grad(set_to_none=True)) is added into the flat buffer, not lost. -> for finish_reduce()"""
         if self.zero_stage == 1:
             for p, view in zip(self.params, self.views(self.full_grad)):
                 if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
@@ -245,11 +236,10 @@ class Unit:
 
 
 def add_reduced(reducing, replace=False):
-    """Wait for a reduce-scatter from Unit.reduce_scatter and add it into the gradient shard
-    (the sum over micro-steps, in fp32). replace: ZeRO-1's gradient shard is the slice of the
-    full gradient it was reduced from, so the sum over ranks replaces it. The optimizer's
-    pieces are pointed at the shard again: a caller's zero_grad(set_to_none=True) must not
-    leave a piece without the gradient this rank reduced."""
+    """Wait for a reduce-scatter from Unit.reduce_scatter and add it into the gradient shard (the
+    sum over micro-steps, in fp32); replace: ZeRO-1's shard is a slice of the full gradient it was
+    reduced from. The optimizer's pieces are pointed at the shard again: a caller's
+    zero_grad(set_to_none=True) must not leave a piece without the gradient this rank reduced."""
     if reducing is None:
         return
     u, pending = reducing
@@ -261,15 +251,13 @@ def add_reduced(reducing, replace=False):
 
 
 class Gathers:
-    """The all-gathers of one pass over the units, issued in `schedule`, the order in which
-    the units will compute, and at most `prefetch` ahead of the unit computing.
-    take(u): u's full weights, its all-gather done (issued now if it was not ahead); a unit
-    taken and not freed since is kept (parallel_nd.py's pipeline keeps its units to the step's
-    end, each listed once: every micro-batch's forward and backward reuse one gather).
-    prefetch(): issue the next units' all-gathers, to travel while u computes.
-    free(u): u's weights go, unless its next all-gather is already issued (the last block's,
-    for backward, while its forward computes): the memory stays, written with the same weights.
-    waits: (start, end) of each wait, an instrument (on a GPU, reading them waits)."""
+    """The all-gathers of one pass over the units, issued in `schedule` (the order the units
+    compute in), at most `prefetch` ahead of the unit computing. take(u): u's full weights, its
+    all-gather done (issued now if it was not ahead); a unit taken and not freed since is kept
+    (parallel_nd.py's pipeline lists each unit once: every micro-batch reuses one gather).
+    prefetch(): issue the next all-gathers, to travel while u computes. free(u): u's weights go,
+    unless its next all-gather is already issued (the last block's, for backward, while its
+    forward computes). waits: (start, end) of each wait, an instrument."""
 
     def __init__(self, schedule, prefetch):
         self.todo, self.ahead, self.n = deque(schedule), deque(), prefetch  # not issued yet; issued, not taken
@@ -302,10 +290,187 @@ class Gathers:
         self.ahead.append((u, u.gather(async_op=True)))
 
 
+class Kept:
+    """ZeRO-1/2's Gathers: every unit's full weights are kept; nothing to gather or free."""
+    take = prefetch = free = staticmethod(lambda *_: None)
+
+
+def leaf(t):
+    """A new autograd leaf on the same memory: backward stops there and returns its gradient."""
+    return t.detach().requires_grad_()
+
+
+# -----------------------------------------------------------------------------
+# a step, every ZeRO stage: ZeRO-3's units hold their full weights only while they compute
+
+
+def forward(net, idx, gathers):
+    """The embedding and the blocks, each on its just-gathered weights, freed as soon as it is
+    done. -> (the output, per block (input, output) and, outside no_grad, the graph between them
+    on weights since freed: backward re-gathers them into the same memory). What the graph keeps
+    of the activations is --recompute's (model.recompute_block; full: the input only, the block
+    rerun in backward on the re-gathered weights)."""
+    ends = net.units[0]
+    gathers.take(ends)
+    gathers.prefetch()  # the next units' all-gathers travel while the embedding computes
+    with torch.no_grad():
+        h = ends.run(idx)
+    gathers.free(ends)
+    kept = []
+    for k, u in enumerate(net.units[1:]):
+        gathers.take(u)
+        gathers.prefetch()
+        with M.span(f"forward block {k}"):
+            h_in = leaf(h)
+            out = M.recompute_block(u.run, h_in, net.cfg.recompute)
+            kept.append((h_in, out))
+            h = out.detach()
+        gathers.free(u)
+    return h, kept
+
+
+def micro_step(net, x, y, scale):
+    """One micro-batch forward and backward, block by block; each unit's gradient, once
+    complete, reduce-scattered into its gradient shard (ZeRO-1: added to its full gradient).
+    scale: 1/n_micro, so the shards sum to the mean.
+    -> (the loss, the bytes kept for backward at the head's backward)"""
+    ends, blocks = net.units[0], net.units[1:]
+    order = [ends, *blocks, ends, *reversed(blocks)]  # the order the units compute in
+    gathers = Gathers(order, net.cfg.prefetch) if net.cfg.zero_stage == 3 else Kept()
+    counting, saved = M.saved_bytes([], net.live.weights, on=not net.cfg.compile)  # gathered weights: not activations
+    with net.autocast, counting:
+        h, kept = forward(net, x, gathers)
+        h = leaf(h)
+        gathers.take(ends)  # the head: forward and backward at once, on one gather of the ends
+        gathers.prefetch()
+        loss = ends.run(h, y)
+    gh, *g_ends = torch.autograd.grad(loss * scale, [h, *ends.params], allow_unused=True, materialize_grads=True)
+    gathers.free(ends)
+    reducing = None
+    for k, u, (h_in, out) in zip(reversed(range(len(blocks))), reversed(blocks), reversed(kept)):
+        gathers.take(u)  # the weights come back: into the memory the kept graph refers to
+        gathers.prefetch()  # the next blocks' all-gathers travel while this one computes
+        with M.span(f"backward block {k}"):
+            gh, *g = torch.autograd.grad(out, [h_in, *u.params], gh)
+        gathers.free(u)  # the weights go
+        reducing = accumulate(net, u, g, reducing)
+    # the embedding's gradient, without its weights: wte's row t and wpe's row p get the output
+    # gradient wherever they were used, summed apart, then added to the head's (the tied matrix),
+    # as autograd does: the one-process run's rounding
+    gh, g = gh.float(), dict(zip(ends.names, g_ends))  # the residual stream's gradient: fp32 under autocast too
+    g["wte.weight"] += torch.zeros_like(g["wte.weight"]).index_add_(0, x.view(-1), gh.view(-1, gh.size(-1)))
+    g["wpe.weight"][:x.size(1)] += gh.sum(0)
+    add_reduced(accumulate(net, ends, g_ends, reducing))  # the tied matrix: head and embedding, reduced once
+    return loss.detach(), sum(saved.values())
+
+
+def accumulate(net, u, grads, reducing):
+    """ZeRO-1: u's gradient added to its full fp32 gradient (reduce-scattered once a step).
+    ZeRO-2/3: the previous unit's reduce-scatter finished, u's started: it travels while the
+    next block's backward computes. -> what is in flight"""
+    if net.cfg.zero_stage == 1:
+        for full_grad, g in zip(u.full_grad, u.flat_grads(grads)):
+            full_grad += g  # in fp32
+        return None
+    add_reduced(reducing)
+    return u.reduce_scatter(u.flat_grads(grads))
+
+
+def train_step(net, run, it):
+    """The gradients of one optimizer step, averaged into the units' gradient shards.
+    -> (the loss, the most bytes a micro-step kept for backward)"""
+    for u in net.units:
+        for t in u.grads + u.full_grad:
+            t.zero_()
+    n = run.cfg.n_micro
+    loss, act = torch.zeros((), device=run.device), 0
+    for m in range(n):
+        x, y = M.batch(run, it, "train", m, n, run.rank, run.world)
+        micro_loss, micro_act = micro_step(net, x, y, 1.0 / n)
+        loss, act = loss + micro_loss / n, max(act, micro_act)
+    if net.cfg.zero_stage == 1:  # one reduce-scatter a unit per step, whatever n_micro is
+        for u in net.units:
+            u.finish_reduce(u.start_reduce())
+    return loss, act
+
+
+@torch.no_grad()
+def val_loss(net, x, y):
+    """The loss of a batch without gradients (validation): ZeRO-3 gathers in forward only."""
+    ends = net.units[0]
+    gathers = Gathers([*net.units, ends], net.cfg.prefetch) if net.cfg.zero_stage == 3 else Kept()
+    with net.autocast:
+        h, _ = forward(net, x, gathers)
+        gathers.take(ends)
+        loss = ends.run(h, y)
+    gathers.free(ends)
+    return loss
+
+
+def gather_full_weights(net):
+    """ZeRO-1/2: every unit's full weights all-gathered from the shards (at the start and after
+    each optimizer step); a fp32 shard is already its slice of them: the others' are filled in."""
+    for u in net.units:
+        u.gather()
+
+
+# -----------------------------------------------------------------------------
+# the model as units
+
+
+class Ends(nn.Module):
+    """The model's two ends as one unit, so the tied matrix is stored, gathered and reduced once:
+    ends(idx) is model.embed, ends(h, targets) model.head's loss."""
+
+    def __init__(self, emb, ln_f):
+        super().__init__()
+        self.wte, self.wpe, self.ln_f = emb.wte, emb.wpe, ln_f
+
+    def forward(self, x, targets=None):
+        if targets is None:
+            return M.embed(self.wte, self.wpe, x)
+        return M.head(self.ln_f, self.wte.weight, x, targets)[1]
+
+
+def build_units(config, cfg, device, live):
+    """The ends and the blocks, one at a time from model.py's seeded init, each a Unit over the
+    whole world whose module computes on its views. --compile: one compiled function runs every
+    block (dynamo lifts a module's parameters to inputs, so the blocks share its graph)."""
+    low = torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32
+    # dynamic=False: the shapes never change, but the ends and the blocks share run's code,
+    # and dynamo would take their different shapes for dynamic ones (symbolic graphs, slower to build)
+    call = torch.compile(lambda module, *args: module(*args), dynamic=False) if cfg.compile else None
+    units = []
+    for i in range(-1, config.n_layer):
+        if i < 0:
+            module = Ends(M.build_unit(config, "embed", cfg.seed), M.build_unit(config, "ln_f", cfg.seed))
+        else:
+            module = M.build_unit(config, i, cfg.seed)
+        module = module.to(device).eval()
+        u = Unit(list(module.named_parameters()), None, cfg.zero_stage, device, low, f"h.{i}" if i >= 0 else "ends",
+                 live)
+        u.prefix = "transformer." + (f"h.{i}." if i >= 0 else "")
+        u.run = partial(call, module) if call else module
+        units.append(u)
+    return units
+
+
+def clip_global_norm(units, max_norm, group=None):
+    """Clip by the global gradient norm. Every element lies in exactly one rank's shard (the
+    padding's gradient is 0), so the sum of the ranks' squared norms is the global one,
+    nothing counted twice. -> the norm (a tensor: reading it would wait for the device)."""
+    grads = [g for u in units for g in u.grads]
+    return M.clip_by_global_norm(torch.stack([g.pow(2).sum() for g in grads]).sum(), grads, max_norm, [group])
+
+
+# -----------------------------------------------------------------------------
+# for a module trained by one backward() into .grad (parallel_nd.py's stage): the unit's
+# hand-offs in backward, its overlapped reduce-scatters, and the sharded state as full tensors
+
+
 class Handoff(torch.autograd.Function):
-    """x unchanged; when its gradient comes back, `then()` runs: for a module trained by one
-    backward() (parallel_nd.py's stage), the point where the unit after x is done with its
-    weights and the unit that made x begins (free the one, take the other)."""
+    """x unchanged; when its gradient comes back, `then()` runs: the point where the unit
+    after x is done with its weights and the unit that made x begins (free the one, take the other)."""
 
     @staticmethod
     def forward(ctx, x, then):
@@ -319,12 +484,11 @@ class Handoff(torch.autograd.Function):
 
 
 class GradReduces:
-    """The reduce-scatters of units whose gradients backward() accumulates in .grad (parallel_nd.py's
-    stage): `overlap`'s units each start as soon as the last micro-batch's backward has reached
-    every one of its parameters (`sync`, set by the caller for that micro-batch; earlier ones
-    only accumulate): the previous unit's finished (its flat copy freed), this one's started and
-    its .grad dropped, so backward ends holding one unit's gradient in flight, not two copies of
-    all. finish(units): the one in flight waited for, the rest sent now. waits, as Gathers'."""
+    """The reduce-scatters of units whose gradients backward() accumulates in .grad: `overlap`'s
+    units each start once the last micro-batch's backward (`sync`, set by the caller) has reached
+    all their parameters: the previous unit's finished, this one's started and its .grad dropped,
+    so backward holds one unit's gradient in flight, not two copies of all. finish(units): the
+    one in flight waited for, the rest sent now. waits, as Gathers'."""
 
     def __init__(self, overlap):
         self.sync, self.seen, self.sent, self.reducing, self.waits = False, {}, set(), None, []
@@ -354,264 +518,11 @@ class GradReduces:
         self.waits.append((t0, M.now(units[0].full[0].device)))
 
 
-def leaf(t):
-    """A new autograd leaf on the same memory: backward stops there and returns its gradient."""
-    return t.detach().requires_grad_()
-
-
-# -----------------------------------------------------------------------------
-# ZeRO-3: a unit's full weights exist only while it computes
-
-
-# --recompute under ZeRO-3: the weights are re-gathered for backward whatever it says; what
-# autograd keeps of the activations is what --recompute decides, as in every strategy: none,
-# gelu: forward builds the block's graph on weights then freed under it, backward runs it on
-# the re-gathered ones; full: forward keeps each block's input only, backward recomputes.
-
-
-def zero3_forward(net, idx, gathers, kept=None):
-    """The embedding and the blocks, each on its just-gathered weights, freed as soon as it is
-    done. kept: None (validation: no autograd) or a list that gets, per block, (input, output):
-    the graph from input to output on weights since freed, or under --recompute=full
-    (input, None)."""
-    ends = net.units[0]
-    gathers.take(ends)
-    gathers.prefetch()  # the next units' all-gathers travel while the embedding computes
-    with torch.no_grad():
-        h = ends.run(idx)
-    gathers.free(ends)
-    for k, u in enumerate(net.units[1:]):
-        gathers.take(u)
-        gathers.prefetch()
-        with M.span(f"forward block {k}"):
-            if kept is None or net.recompute == "full":
-                if kept is not None:
-                    kept.append((h, None))
-                with torch.no_grad():
-                    h = u.run(h)
-            else:
-                h_in = leaf(h)
-                out = M.recompute_block(u.run, h_in, net.recompute)
-                kept.append((h_in, out))
-                h = out.detach()
-        gathers.free(u)
-    return h
-
-
-def zero3_micro_step(net, x, y, scale):
-    """One micro-batch forward and backward; every unit's gradient ends up reduce-scattered
-    into its gradient shard. scale: 1/n_micro, so the shards sum to the mean.
-    -> (the loss, the bytes kept for backward at the head's backward)"""
-    ends, blocks = net.units[0], net.units[1:]
-    gathers = Gathers([ends, *blocks, ends, *reversed(blocks)], net.prefetch)  # the order the units compute in
-    kept = []
-    counting, saved = M.saved_bytes([], net.live.weights, on=net.count_saved)  # gathered weights: not activations
-    with net.autocast, counting:
-        h = leaf(zero3_forward(net, x, gathers, kept))
-        gathers.take(ends)  # the head: forward and backward at once, on one gather of the ends
-        gathers.prefetch()
-        loss = ends.run(h, y)
-    for h_in, out in kept:
-        if out is None:  # full: the inputs are kept by hand, not by autograd, and counted as the same
-            saved[h_in.untyped_storage().data_ptr()] = h_in.untyped_storage().nbytes()
-    gh, *g_ends = torch.autograd.grad(loss * scale, [h, *ends.params], allow_unused=True, materialize_grads=True)
-    gathers.free(ends)
-    reducing = None
-    for k, u, (h_in, out) in zip(reversed(range(len(blocks))), reversed(blocks), reversed(kept)):
-        gathers.take(u)  # the weights come back: into the memory the kept graph refers to
-        gathers.prefetch()  # the next blocks' all-gathers travel while this one computes
-        with M.span(f"backward block {k}"):
-            if out is None:  # full: rerun the block, with autograd this time
-                h_in = leaf(h_in)
-                with net.autocast:
-                    out = u.run(h_in)
-            gh, *g = torch.autograd.grad(out, [h_in, *u.params], gh)
-        gathers.free(u)  # the weights go
-        add_reduced(reducing)  # the previous block's reduce-scatter, done while this one computed
-        reducing = u.reduce_scatter(u.flat_grads(g))  # its gradient is complete: on its way now
-    embedding_backward(dict(zip(ends.names, g_ends)), x, gh)
-    add_reduced(reducing)
-    add_reduced(ends.reduce_scatter(ends.flat_grads(g_ends)))  # the tied matrix: head and embedding, reduced once
-    return loss.detach(), sum(saved.values())
-
-
-def zero3_step(net, run, it):
-    """The gradients of one optimizer step, reduce-scattered into the units' gradient shards. -> the loss"""
-    accum = run.cfg.n_micro
-    loss, act = torch.zeros((), device=run.device), 0
-    for m in range(accum):
-        x, y = M.batch(run, it, "train", m, accum, C.get_rank(net.group), C.get_world_size(net.group))
-        micro_loss, micro_act = zero3_micro_step(net, x, y, 1.0 / accum)
-        loss, act = loss + micro_loss / accum, max(act, micro_act)
-    return loss, act
-
-
-@torch.no_grad()
-def zero3_loss(net, x, y):
-    """The loss of a batch without gradients (validation): gathers in forward only."""
-    ends = net.units[0]
-    gathers = Gathers([*net.units, ends], net.prefetch)
-    with net.autocast:
-        h = zero3_forward(net, x, gathers)
-        gathers.take(ends)
-        loss = ends.run(h, y)
-    gathers.free(ends)
-    return loss
-
-
-def embedding_backward(g, idx, gh):
-    """The embedding's gradient without its weights: token t's row of wte and position p's
-    row of wpe receive the output gradient at every place they were used. The lookup's
-    gradient is summed apart, then added to the head's (g holds it), as autograd does for
-    the tied matrix: the same rounding as the one-process run."""
-    gh = gh.float()  # the residual stream's gradient: fp32 under autocast too
-    g["wte.weight"] += torch.zeros_like(g["wte.weight"]).index_add_(0, idx.view(-1), gh.view(-1, gh.size(-1)))
-    g["wpe.weight"][:idx.size(1)] += gh.sum(0)
-
-
-# -----------------------------------------------------------------------------
-# ZeRO-1/2: full weights kept on every rank, nothing gathered until the update
-
-
-def zero12_micro_step(net, x, y, scale):
-    """One micro-batch forward and backward on the kept full weights. Each block keeps its
-    autograd graph (no recompute); backward goes block by block, so that ZeRO-2 can
-    reduce-scatter a block's gradient as soon as it is complete; ZeRO-1 adds it to the full
-    fp32 gradient, reduce-scattered once per step."""
-    ends, blocks = net.units[0], net.units[1:]
-    saved = []
-    counting, kept = M.saved_bytes([t for u in net.units for t in u.full], on=net.count_saved)
-    with net.autocast, counting:
-        with torch.no_grad():
-            h = ends.run(x)
-        for k, u in enumerate(blocks):
-            h_in = leaf(h)
-            with M.span(f"forward block {k}"):
-                out = M.recompute_block(u.run, h_in, net.recompute)
-            saved.append((h_in, out))
-            h = out.detach()
-        h = leaf(h)
-        loss = ends.run(h, y)
-    gh, *g_ends = torch.autograd.grad(loss * scale, [h, *ends.params], allow_unused=True, materialize_grads=True)
-    reducing = None
-    for k, u, (h_in, out) in zip(reversed(range(len(blocks))), reversed(blocks), reversed(saved)):
-        with M.span(f"backward block {k}"):
-            gh, *g = torch.autograd.grad(out, [h_in, *u.params], gh)
-        reducing = accumulate(net, u, g, reducing)
-    embedding_backward(dict(zip(ends.names, g_ends)), x, gh)
-    add_reduced(accumulate(net, ends, g_ends, reducing))
-    return loss.detach(), sum(kept.values())
-
-
-def accumulate(net, u, grads, reducing):
-    """ZeRO-1: u's gradient added to its full fp32 gradient (reduce-scattered once a step).
-    ZeRO-2: the previous unit's reduce-scatter finished, u's started: it travels while the
-    next block's backward computes. -> what is in flight"""
-    if net.zero_stage == 1:
-        for full_grad, g in zip(u.full_grad, u.flat_grads(grads)):
-            full_grad += g  # in fp32
-        return None
-    add_reduced(reducing)
-    return u.reduce_scatter(u.flat_grads(grads))
-
-
-def zero12_step(net, run, it):
-    """The gradients of one optimizer step, reduce-scattered into the units' gradient shards. -> the loss"""
-    accum = run.cfg.n_micro
-    for u in net.units:
-        for t in u.full_grad:
-            t.zero_()
-    loss, act = torch.zeros((), device=run.device), 0
-    for m in range(accum):
-        x, y = M.batch(run, it, "train", m, accum, C.get_rank(net.group), C.get_world_size(net.group))
-        micro_loss, micro_act = zero12_micro_step(net, x, y, 1.0 / accum)
-        loss, act = loss + micro_loss / accum, max(act, micro_act)
-    if net.zero_stage == 1:  # one reduce-scatter a unit per step, whatever n_micro is
-        reducing = None
-        for u in net.units:
-            add_reduced(reducing, replace=True)
-            reducing = u.reduce_scatter(u.full_grad)
-        add_reduced(reducing, replace=True)
-    return loss, act
-
-
-@torch.no_grad()
-def zero12_loss(net, x, y):
-    """The loss of a batch without gradients (validation), on the kept full weights."""
-    ends = net.units[0]
-    with net.autocast:
-        h = ends.run(x)
-        for u in net.units[1:]:
-            h = u.run(h)
-        return ends.run(h, y)
-
-
-def gather_full_weights(net):
-    """ZeRO-1/2: every rank all-gathers every unit's shards into its full weights (after each
-    optimizer step, and once at the start, from the initial or the loaded shards). A fp32
-    shard is already its slice of the full weights: the gather fills in the other ranks'."""
-    for u in net.units:
-        u.gather()
-
-
-# -----------------------------------------------------------------------------
-# the model as units
-
-
-class Ends(nn.Module):
-    """The model's two ends as one unit, so the tied matrix is stored, gathered and reduced once:
-    ends(idx) is model.embed, ends(h, targets) model.head's loss."""
-
-    def __init__(self, emb, ln_f):
-        super().__init__()
-        self.wte, self.wpe, self.ln_f = emb.wte, emb.wpe, ln_f
-
-    def forward(self, x, targets=None):
-        if targets is None:
-            return M.embed(self.wte, self.wpe, x)
-        return M.head(self.ln_f, self.wte.weight, x, targets)[1]
-
-
-def build_units(config, cfg, group, device, live):
-    """The ends and the blocks, one at a time from model.py's seeded init, each a Unit whose
-    module computes on its views. --compile: one compiled function runs every block (dynamo
-    lifts a module's parameters to inputs, so the blocks share its graph)."""
-    low = torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32
-    # dynamic=False: the shapes never change, but the ends and the blocks share run's code,
-    # and dynamo would take their different shapes for dynamic ones (symbolic graphs, slower to build)
-    call = torch.compile(lambda module, *args: module(*args), dynamic=False) if cfg.compile else None
-    units = []
-    for i in range(-1, config.n_layer):
-        if i < 0:
-            module = Ends(M.build_unit(config, "embed", cfg.seed), M.build_unit(config, "ln_f", cfg.seed))
-        else:
-            module = M.build_unit(config, i, cfg.seed)
-        module = module.to(device).eval()
-        u = Unit(list(module.named_parameters()), group, cfg.zero_stage, device, low, f"h.{i}" if i >= 0 else "ends",
-                 live)
-        u.prefix = "transformer." + (f"h.{i}." if i >= 0 else "")
-        u.run = partial(call, module) if call else module
-        units.append(u)
-    return units
-
-
-def clip_grad_shards(units, max_norm, group):
-    """Clip by the global gradient norm. Every element lies in exactly one rank's shard (the
-    padding's gradient is 0), so the sum of the ranks' squared norms is the global one,
-    nothing counted twice. -> the norm (a tensor: reading it would wait for the device)."""
-    grads = [g for u in units for g in u.grads]
-    return M.clip_by_global_norm(torch.stack([g.pow(2).sum() for g in grads]).sum(), grads, max_norm, [group])
-
-
-# -----------------------------------------------------------------------------
-# the sharded state as full tensors: parallel_nd.py's checkpoints (its entries are tensor
-# parallel slices, which no flat piece can name), loaded and saved by any layout
-
-
 class FullState:
     """What model.py's checkpoints see of a sharded optimizer: its param_groups (the learning
-    rate), and a `state` keyed by the units' full fp32 parameters (Unit.master_params):
-    unshard() fills it before a save; model.restore() from a checkpoint, then reshard()."""
+    rate) and a `state` keyed by the units' full fp32 parameters (Unit.master_params), filled by
+    unshard() before a save, or by model.restore() before reshard(): full tensors, which any
+    layout loads (parallel_nd.py's entries are tensor parallel slices: no flat piece names them)."""
 
     def __init__(self, optimizer):
         self.optimizer, self.state = optimizer, {}
@@ -634,13 +545,11 @@ def full_params(units):
 
 @torch.no_grad()
 def unshard(units, optimizer, full_state):
-    """Every unit's full weights (ZeRO-3: gathered) and Adam's moments all-gathered over the
-    group into full-parameter tensors, into full_state, for a checkpoint. Untracked."""
+    """Every unit's full weights (full_params) and Adam's moments all-gathered over the group
+    into full-parameter tensors, into full_state, for a checkpoint. Untracked."""
+    full_params(units)
     with C.untracked():
         for u in units:
-            if not u.gathered():
-                u.gather()
-            u.gather_masters()
             moments = {}
             for m in M.MOMENTS:
                 mine = [torch.zeros_like(t) for t in u.masters]  # this rank's pieces, where they lie in the full part
@@ -685,17 +594,13 @@ def main(argv=None):
     rank, world, device, config = run.rank, run.world, run.device, run.config
     if cfg.batch_size % (world * cfg.n_micro):
         M.die(f"--batch_size={cfg.batch_size} does not divide into {world} rank{'s' * (world > 1)} x {cfg.n_micro} micro-steps")
-    group = None  # the whole world; parallel_nd.py runs the same pieces on a sub-group
     zero_stage = cfg.zero_stage
-
     live = LiveUnits()
-    net = Sharded(build_units(config, cfg, group, device, live), group, zero_stage, cfg.prefetch, run.autocast, live,
-                  cfg.recompute, not cfg.compile)
+    net = Sharded(build_units(config, cfg, device, live), cfg, run.autocast, live)
     units = net.units
-    # the optimizer's pieces: each a ("flat", start, stop) piece of a global parameter
+    # the optimizer's pieces, and a checkpoint's (every rank's shards): ("flat", start, stop) of a global parameter
     pieces = [(u.prefix + name, p, ("flat", lo, hi)) for u in units for name, p, _, lo, hi in u.pieces()]
     optimizer = M.make_optimizer([(name, p) for name, p, _ in pieces], cfg, device)
-    # a checkpoint holds every rank's shards: each is a ("flat", start, stop) piece of a global parameter
     M.restore(run, [(name, p, index, True) for name, p, index in pieces], optimizer)
     if zero_stage < 3:
         with C.untracked():
@@ -713,21 +618,17 @@ def main(argv=None):
         with C.untracked():  # evaluation's gathers and the loss average are not training traffic
             for k in range(cfg.eval_iters):
                 for m in range(cfg.n_micro):  # the same rows as a training step: the whole global batch
-                    x, y = M.batch(run, k, "val", m, cfg.n_micro, C.get_rank(group), C.get_world_size(group))
-                    losses[k, m] = zero3_loss(net, x, y) if zero_stage == 3 else zero12_loss(net, x, y)
-            C.all_reduce(losses, op="avg", group=group)
+                    losses[k, m] = val_loss(net, *M.batch(run, k, "val", m, cfg.n_micro, rank, world))
+            C.all_reduce(losses, op="avg")
         return losses.mean().item()
 
     for it in range(run.start_iter, cfg.max_iters):
         M.begin_iter(run, it, evaluate)
         net.live.peak = 0
         # ---------------------------------------------------------------- the training step
-        for u in units:
-            for g in u.grads:
-                g.zero_()
-        loss, act = zero3_step(net, run, it) if zero_stage == 3 else zero12_step(net, run, it)
+        loss, act = train_step(net, run, it)
         with M.span("optimizer"):
-            norm = clip_grad_shards(units, cfg.grad_clip, group) if cfg.grad_clip else 0.0
+            norm = clip_global_norm(units, cfg.grad_clip) if cfg.grad_clip else 0.0
             optimizer.step()  # on this rank's shards only
         if zero_stage < 3:
             gather_full_weights(net)  # every rank needs every unit's updated weights again
@@ -783,11 +684,9 @@ def unit_parts(config, cfg, world):
 
 
 def traffic_per_rank(config, cfg, world):
-    """Bytes one rank sends per step (the average over ranks): each unit's parts (padded, Ψ in
-    all) all-gathered in their dtype and reduce-scattered in fp32, (N-1)/N of the bytes each:
-    ZeRO-3 3(N-1)/N·4Ψ·n_micro (two gathers, one reduce-scatter a micro-step), ZeRO-2
-    (n_micro + 1)(N-1)/N·4Ψ, ZeRO-1 2(N-1)/N·4Ψ, in fp32; plus the norm's float
-    (docs/formulas.md)."""
+    """Bytes one rank sends per step (the average over ranks): each unit's padded parts all-gathered
+    in their dtype, reduce-scattered in fp32, plus the norm's float; ZeRO-3 3(N-1)/N·4Ψ·n_micro in
+    fp32 (docs/formulas.md)."""
     found = unit_parts(config, cfg, world)
     gather, reduce = sum(p * b for _, p, b in found), sum(p * 4 for _, p, _ in found)
     a = cfg.n_micro
@@ -797,11 +696,9 @@ def traffic_per_rank(config, cfg, world):
 
 
 def state_per_rank(config, cfg, world):
-    """Bytes of parameters, gradients and Adam's state on each rank: what state_bytes() measures.
-    Each part of n elements is padded to P = N·⌈n/N⌉, rank r keeps S = P/N of it, R_r real (Adam's
-    moments only for those); W = 2P_lo + 4(P - P_lo) the full weights (P_lo: parts gathered in bf16):
-    ZeRO-3 8S + 8R_r, ZeRO-2 W + 4S_lo + 4S + 8R_r, ZeRO-1 W + 4S_lo + 4P + 8R_r; without padding
-    in fp32 16Ψ/N, 4Ψ + 12Ψ/N, 8Ψ + 8Ψ/N (docs/formulas.md). -> [bytes on rank r for r in range(N)]"""
+    """Bytes of parameters, gradients and Adam's state on each rank (what state_bytes() measures):
+    P padded elements, S = P/N a rank's, R_r of them real, W the full weights, _lo the bf16 parts;
+    ZeRO-3 8S + 8R_r, in fp32 16Ψ/N (docs/formulas.md). -> [bytes on rank r for r in range(N)]"""
     found = unit_parts(config, cfg, world)
     P = sum(p for _, p, _ in found)
     P_lo = sum(p for _, p, b in found if b == 2)

@@ -91,15 +91,15 @@ EXERCISES = [
          ("train", "ddp", ["--overlap=False", "--bucket_mb=0.25"])],
         (2, 3)),
     Exercise(
-        "zero1_step", "fsdp.py", ["zero12_step", "gather_full_weights"],
+        "zero1_step", "fsdp.py", ["train_step", "gather_full_weights"],
         "ZeRO-1: reduce-scatter the gradient, step on your shard, all-gather the weights",
         30,
-        "zero12_step: zero every unit's u.full_grad, run zero12_micro_step(net, x, y, 1/accum) for each of the "
-        "run.cfg.n_micro micro-batches (M.batch(run, it, 'train', m, accum, rank, world) on net.group) and sum "
-        "the loss / accum and take the max of act. Stage 1 then reduce-scatters each unit's full gradient once "
-        "(u.reduce_scatter(u.full_grad)), the next unit's starting before the previous one is added in "
-        "(add_reduced(..., replace=True)). -> (loss, act). gather_full_weights: every unit all-gathers its shards "
-        "into its full buffers (u.gather()).",
+        "train_step: zero every unit's u.grads and u.full_grad, run micro_step(net, x, y, 1/n) for each of the "
+        "n = run.cfg.n_micro micro-batches (M.batch(run, it, 'train', m, n, run.rank, run.world)), summing "
+        "the loss / n and taking the max of act. Stage 1 then reduce-scatters each unit's full gradient once, "
+        "one unit at a time (u.finish_reduce(u.start_reduce()): the average over ranks replaces its gradient "
+        "shard). -> (loss, act). gather_full_weights: every unit all-gathers its shards into its full buffers "
+        "(u.gather()).",
         [("train", "fsdp", ["--zero_stage=1"])], (2, 3)),
     Exercise(
         "fsdp_unit", "fsdp.py", ["Unit.gather", "Unit.free", "Unit.reduce_scatter", "add_reduced"],
