@@ -362,9 +362,7 @@ def all_to_all(output, input, output_split_sizes=None, input_split_sizes=None, g
     i (None: N equal parts), and what rank j sends lands in output's part j, cut the same way
     by output_split_sizes. The rows rank i sends rank j must be the rows rank j expects from
     rank i: checking that would cost a message, so a mismatch times out (CommError).
-    The pairwise exchange, every step on the wire at once: on gloo its N-1 steps are posted
-    together; on NCCL, which runs a communicator's group calls one after another on its
-    stream, they are posted as one group call (each peer gets one message either way)."""
+    The pairwise exchange, every step on the wire at once."""
     me, n, ranks = _members(group)
     _check(output.dtype == input.dtype, f"all_to_all: output dtype {output.dtype} != input dtype {input.dtype}")
     _check(output.device == input.device, "all_to_all: output and input are on different devices")
@@ -382,7 +380,7 @@ def all_to_all(output, input, output_split_sizes=None, input_split_sizes=None, g
         # _post skips an empty piece; the peer's matching piece is empty too, so it skips the
         # receive: no empty messages, and the two sides still pair up
         steps = _pairwise_exchange(send, recv, me, n, ranks)
-        if _is_nccl(group):  # one batch_isend_irecv, not N-1 serialized ones
+        if _is_nccl(group):  # one group call: NCCL runs a communicator's group calls one after another
             steps = [([m for s, _, _ in steps for m in s], [m for _, r, _ in steps for m in r], None)]
         _run(steps, group, max(1, len(steps)))
         _copy_back(output, out)
@@ -439,16 +437,15 @@ def barrier(group=None, timeout_s=None):
     if not _initialized():
         return
     me, n, ranks = _members(group)
-    t = torch.zeros(1, device=_comm_device(group))
+    t, by_store = torch.zeros(1, device=_comm_device(group)), timeout_s is not None and _store is not None
 
     def fn():
-        if timeout_s is not None and _store is not None:
+        if by_store:
             return _store_barrier(ranks, timeout_s)
         _run(_tree_reduce(t, 0, me, n, ranks, torch.add, t), group, block=True, timeout_s=timeout_s)
         _run(_tree_broadcast(t, 0, me, n, ranks), group, block=True, timeout_s=timeout_s)
     with untracked():  # through the store: no messages on the group, so no number in its flight record
-        _launch("store barrier" if timeout_s is not None and _store is not None else "barrier", fn, False,
-                t.device, group)
+        _launch("store barrier" if by_store else "barrier", fn, False, t.device, group)
 
 
 _store_barriers = defaultdict(int)  # the group's global ranks -> store barriers so far
@@ -570,14 +567,12 @@ def all_reduce_flat(tensors, op="avg", group=None):
 
 # ----------------------------------------------------------------------------- the built-ins (--collectives=torch)
 
-# use("torch") puts torch.distributed's own collectives (NCCL's kernels on GPUs, gloo's on
-# CPUs) in the place of the hand-written ones above, under the same names and signatures:
-# the strategy files, which call C.all_reduce(...), run unchanged on the engine a cluster
-# trains with, and the two can be timed against each other. Each op still counts the bytes
-# the hand-written one would send (a dry run of it on meta tensors, once per shape), so
-# every traffic figure and test holds on both. Point-to-point (send, recv, sendrecv) is the
-# same on both; barrier and gather_stats stay ours (bookkeeping). avg is sum, then divide
-# (gloo has no avg). use("hand") puts the hand-written ones back.
+# use("torch") puts torch.distributed's own collectives (NCCL's on GPUs, gloo's on CPUs) in
+# the place of the hand-written ones above, under the same names and signatures, so the
+# strategy files run unchanged on the engine a cluster trains with. Each still counts the
+# bytes the hand-written one would send (a dry run on meta tensors, once per shape), so every
+# traffic figure and test holds on both. Point-to-point, barrier and gather_stats stay ours;
+# avg is sum, then divide (gloo has no avg).
 
 def use(kind):
     """kind: "hand" (the default) or "torch"."""
@@ -677,7 +672,7 @@ def _finish(work, tensor, flat, entry, op=None, group=None):
             if op is not None and _op(op, flat.dtype) == "avg":
                 flat.div_(get_world_size(group))
             _copy_back(tensor, flat)
-        _done(entry)
+        _mark_done(entry)
     if work is not None:
         return _Finished(work, done)
     done()
@@ -836,9 +831,7 @@ def _members(group):
 
 class _Link:
     """What every op asks of its group, looked up once (torch's look-ups cost microseconds
-    each): my index, the size, each index's global rank and each global rank's index, the
-    group's name (the flight record's key), whether it runs on NCCL. The group is held weakly,
-    as the byte counts hold it: a destroyed group is freed then (see _stop_workers)."""
+    each). The group is held weakly, as the byte counts hold it (see _stop_workers)."""
 
     def __init__(self, pg):
         self._pg, self.me, self.n = weakref.ref(pg), dist.get_rank(pg), dist.get_world_size(pg)
@@ -1060,7 +1053,7 @@ def flight_record():
                 for name, (ranks, ops) in _flight.items()}
 
 
-def _done(entry):
+def _mark_done(entry):
     """The op's function has returned: done, or on a GPU an event after its kernels, on the
     stream they went to (the caller's or the worker's), that says when."""
     if entry is not None:
@@ -1330,7 +1323,7 @@ def _execute(name, tracked, fn, entry=None, span=None):
             span["t1"] = _stamp(span["device"])
             if _count and span["row"] == "main":
                 span["upto"] = _count()
-        _done(entry)
+        _mark_done(entry)
         return out
     finally:
         _running.op = None

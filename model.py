@@ -424,12 +424,10 @@ def rerunning():
 
 
 def recompute_block(fn, x, mode="none"):
-    """fn(x), a block's forward, keeping for backward what --recompute=mode says.
-
-    full is torch.utils.checkpoint without re-entrance: its saved tensors are placeholders
-    the rerun fills, so the graph stays one graph and autograd.grad(inputs=), the pipeline's
-    split backward (B, W) and gradient hooks work as without it (the re-entrant version runs
-    a second backward inside the first). The x it keeps is counted here, once by storage."""
+    """fn(x), a block's forward, keeping for backward what --recompute=mode says. full is
+    torch.utils.checkpoint without re-entrance, so the graph stays one graph and
+    autograd.grad(inputs=), the pipeline's split backward (B, W) and gradient hooks work as
+    without it. The x it keeps is counted here, once by storage."""
     if mode == "full" and torch.is_grad_enabled():
         if _count is not None:
             _count(x)
@@ -1317,8 +1315,7 @@ def save_checkpoint(run, step, folder=None):
     if run.rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # the leftover of a crash
         os.makedirs(tmp)
-    with C.untracked():
-        C.barrier(timeout_s=max(CKPT_WAIT_S, run.cfg.timeout_s))
+    C.barrier(timeout_s=max(CKPT_WAIT_S, run.cfg.timeout_s))  # (a barrier is never counted)
     tensors, pieces = {}, []
     for name, param, index, write in run.entries:
         if not write:
@@ -1335,8 +1332,7 @@ def save_checkpoint(run, step, folder=None):
     info = dict(file=os.path.basename(path), bytes=os.path.getsize(path), sha256=sha256(path), pieces=pieces)
     with open(path + ".json", "w") as f:
         json.dump(info, f)
-    with C.untracked():
-        C.barrier(timeout_s=max(CKPT_WAIT_S, run.cfg.timeout_s))  # every rank's file is complete
+    C.barrier(timeout_s=max(CKPT_WAIT_S, run.cfg.timeout_s))  # every rank's file is complete
     if run.rank == 0:
         files = []
         for r in range(run.world):
@@ -1540,16 +1536,11 @@ def _counting(pack):
 
 
 def activation_bytes(config, tokens, mode="none", tp=1, sp=False, ring=False, dtype_bytes=4, layers=None):
-    """The bytes autograd keeps between forward and backward for `layers` blocks (default:
-    all) on `tokens` tokens, as saved_bytes() counts them; per token per layer, with h =
-    n_embd, a = n_head, d = dtype_bytes, t = tp (docs/memory.md derives it term by term):
-
-        none   d·(4h + 12h/t) + 4a/t + 16      (sequence parallel: d·(2h + 14h/t) + (4a + 16)/t)
-        gelu   none - d·4h/t                   the GELU outputs, recomputed
-        full   d·h (sp: d·h/t)                 the block's input
-
-    ring: context_parallel.py's ring keeps its output in (b, a, s, hs) order besides c_proj's
-    (b, s, h) input: d·h more (none, gelu)."""
+    """The bytes autograd keeps for backward in `layers` blocks (default: all) on `tokens`
+    tokens, as saved_bytes() counts them; per token per layer (docs/memory.md derives it), with
+    h = n_embd, a = n_head, d = dtype_bytes, t = tp: none d·(4h + 12h/t) + 4a/t + 16 (sp:
+    d·(2h + 14h/t) + (4a + 16)/t); gelu that - d·4h/t; full d·h (sp: d·h/t). ring: context
+    parallel's ring keeps its output in (b, a, s, hs) order too: d·h more (none, gelu)."""
     h, a, d, t, n = config.n_embd, config.n_head, dtype_bytes, tp, tokens
     layers = config.n_layer if layers is None else layers
     if mode == "full":
