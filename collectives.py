@@ -362,9 +362,7 @@ def all_to_all(output, input, output_split_sizes=None, input_split_sizes=None, g
     i (None: N equal parts), and what rank j sends lands in output's part j, cut the same way
     by output_split_sizes. The rows rank i sends rank j must be the rows rank j expects from
     rank i: checking that would cost a message, so a mismatch times out (CommError).
-    The pairwise exchange, every step on the wire at once: on gloo its N-1 steps are posted
-    together; on NCCL, which runs a communicator's group calls one after another on its
-    stream, they are posted as one group call (each peer gets one message either way)."""
+    The pairwise exchange, every step on the wire at once."""
     me, n, ranks = _members(group)
     _check(output.dtype == input.dtype, f"all_to_all: output dtype {output.dtype} != input dtype {input.dtype}")
     _check(output.device == input.device, "all_to_all: output and input are on different devices")
@@ -382,7 +380,7 @@ def all_to_all(output, input, output_split_sizes=None, input_split_sizes=None, g
         # _post skips an empty piece; the peer's matching piece is empty too, so it skips the
         # receive: no empty messages, and the two sides still pair up
         steps = _pairwise_exchange(send, recv, me, n, ranks)
-        if _is_nccl(group):  # one batch_isend_irecv, not N-1 serialized ones
+        if _is_nccl(group):  # one group call: NCCL runs a communicator's group calls one after another
             steps = [([m for s, _, _ in steps for m in s], [m for _, r, _ in steps for m in r], None)]
         _run(steps, group, max(1, len(steps)))
         _copy_back(output, out)
@@ -439,16 +437,15 @@ def barrier(group=None, timeout_s=None):
     if not _initialized():
         return
     me, n, ranks = _members(group)
-    t = torch.zeros(1, device=_comm_device(group))
+    t, by_store = torch.zeros(1, device=_comm_device(group)), timeout_s is not None and _store is not None
 
     def fn():
-        if timeout_s is not None and _store is not None:
+        if by_store:
             return _store_barrier(ranks, timeout_s)
         _run(_tree_reduce(t, 0, me, n, ranks, torch.add, t), group, block=True, timeout_s=timeout_s)
         _run(_tree_broadcast(t, 0, me, n, ranks), group, block=True, timeout_s=timeout_s)
     with untracked():  # through the store: no messages on the group, so no number in its flight record
-        _launch("store barrier" if timeout_s is not None and _store is not None else "barrier", fn, False,
-                t.device, group)
+        _launch("store barrier" if by_store else "barrier", fn, False, t.device, group)
 
 
 _store_barriers = defaultdict(int)  # the group's global ranks -> store barriers so far
@@ -570,14 +567,12 @@ def all_reduce_flat(tensors, op="avg", group=None):
 
 # ----------------------------------------------------------------------------- the built-ins (--collectives=torch)
 
-# use("torch") puts torch.distributed's own collectives (NCCL's kernels on GPUs, gloo's on
-# CPUs) in the place of the hand-written ones above, under the same names and signatures:
-# the strategy files, which call C.all_reduce(...), run unchanged on the engine a cluster
-# trains with, and the two can be timed against each other. Each op still counts the bytes
-# the hand-written one would send (a dry run of it on meta tensors, once per shape), so
-# every traffic figure and test holds on both. Point-to-point (send, recv, sendrecv) is the
-# same on both; barrier and gather_stats stay ours (bookkeeping). avg is sum, then divide
-# (gloo has no avg). use("hand") puts the hand-written ones back.
+# use("torch") puts torch.distributed's own collectives (NCCL's on GPUs, gloo's on CPUs) in
+# the place of the hand-written ones above, under the same names and signatures, so the
+# strategy files run unchanged on the engine a cluster trains with. Each still counts the
+# bytes the hand-written one would send (a dry run on meta tensors, once per shape), so every
+# traffic figure and test holds on both. Point-to-point, barrier and gather_stats stay ours;
+# avg is sum, then divide (gloo has no avg).
 
 def use(kind):
     """kind: "hand" (the default) or "torch"."""
@@ -589,65 +584,58 @@ def use(kind):
 
 
 def _torch_all_reduce(tensor, op="sum", group=None, async_op=False):
-    entry = _charge("all_reduce", _HAND["all_reduce"], (tensor,), dict(op=op, group=group), group)
-    flat = _flat(tensor)
+    entry, flat = _charge("all_reduce", (tensor,), dict(op=op, group=group)), _flat(tensor)
     work = dist.all_reduce(flat, op=_REDUCE_OP[_op(op, tensor.dtype)], group=group, async_op=async_op)
-    return _finish(work, lambda: _average(op, flat, group), tensor, flat, entry)
+    return _finish(work, tensor, flat, entry, op, group)
 
 
 def _torch_reduce_scatter(output, input, op="sum", group=None, async_op=False):
-    entry = _charge("reduce_scatter", _HAND["reduce_scatter"], (output, input), dict(op=op, group=group), group)
-    out = _flat(output)
+    entry, out = _charge("reduce_scatter", (output, input), dict(op=op, group=group)), _flat(output)
     work = _reduce_scatter_single(out, _flat(input), op=_REDUCE_OP[_op(op, input.dtype)], group=group,
                                   async_op=async_op)
-    return _finish(work, lambda: _average(op, out, group), output, out, entry)
+    return _finish(work, output, out, entry, op, group)
 
 
 def _torch_all_gather(output, input, group=None, async_op=False):
-    entry = _charge("all_gather", _HAND["all_gather"], (output, input), dict(group=group), group)
-    out = _flat(output)
-    return _finish(_all_gather_single(out, _flat(input), group=group, async_op=async_op), None, output, out, entry)
+    entry, out = _charge("all_gather", (output, input), dict(group=group)), _flat(output)
+    return _finish(_all_gather_single(out, _flat(input), group=group, async_op=async_op), output, out, entry)
 
 
 def _torch_all_to_all(output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):
-    entry = _charge("all_to_all", _HAND["all_to_all"], (output, input),
-            dict(output_split_sizes=output_split_sizes, input_split_sizes=input_split_sizes, group=group), group)
+    entry = _charge("all_to_all", (output, input), dict(output_split_sizes=output_split_sizes,
+                                                          input_split_sizes=input_split_sizes, group=group))
     out = output.contiguous()
     work = dist.all_to_all_single(out, input.contiguous(), output_split_sizes, input_split_sizes, group=group,
                                   async_op=async_op)
-    return _finish(work, None, output, out, entry)
+    return _finish(work, output, out, entry)
 
 
 def _torch_broadcast(tensor, src, group=None, async_op=False):
-    entry = _charge("broadcast", _HAND["broadcast"], (tensor,), dict(src=src, group=group), group)
-    flat = _flat(tensor)
-    return _finish(dist.broadcast(flat, src, group=group, async_op=async_op), None, tensor, flat, entry)
+    entry, flat = _charge("broadcast", (tensor,), dict(src=src, group=group)), _flat(tensor)
+    return _finish(dist.broadcast(flat, src, group=group, async_op=async_op), tensor, flat, entry)
 
 
 def _torch_reduce(tensor, dst, op="sum", group=None, async_op=False):
-    entry = _charge("reduce", _HAND["reduce"], (tensor,), dict(dst=dst, op=op, group=group), group)
-    if get_rank() != dst:  # gloo's reduce uses the others' tensors as scratch; ours leaves them as they were
-        work = dist.reduce(tensor.flatten().clone(), dst, op=_REDUCE_OP[_op(op, tensor.dtype)], group=group,
-                           async_op=async_op)
-        return _finish(work, None, tensor, None, entry)
-    flat = _flat(tensor)
+    entry = _charge("reduce", (tensor,), dict(dst=dst, op=op, group=group))
+    mine = get_rank() == dst  # gloo's reduce uses the others' tensors as scratch; ours leaves them as they were
+    flat = _flat(tensor) if mine else tensor.flatten().clone()
     work = dist.reduce(flat, dst, op=_REDUCE_OP[_op(op, tensor.dtype)], group=group, async_op=async_op)
-    return _finish(work, lambda: _average(op, flat, group), tensor, flat, entry)
+    return _finish(work, tensor, flat if mine else None, entry, op, group)
 
 
 def _torch_scatter(output, input, src, group=None, async_op=False):
-    entry = _charge("scatter", _HAND["scatter"], (output, input), dict(src=src, group=group), group)
-    n, out = get_world_size(group), _flat(output)
-    pieces = list(_flat(input).chunk(n)) if get_rank() == src else None
-    return _finish(dist.scatter(out, pieces, src=src, group=group, async_op=async_op), None, output, out, entry)
+    entry, out = _charge("scatter", (output, input), dict(src=src, group=group)), _flat(output)
+    pieces = list(_flat(input).chunk(get_world_size(group))) if get_rank() == src else None
+    return _finish(dist.scatter(out, pieces, src=src, group=group, async_op=async_op), output, out, entry)
 
 
 def _torch_gather(output, input, dst, group=None, async_op=False):
-    entry = _charge("gather", _HAND["gather"], (output, input), dict(dst=dst, group=group), group)
-    n, out = get_world_size(group), _flat(output) if output is not None else None
-    pieces = list(out.chunk(n)) if get_rank() == dst else None
-    work = dist.gather(input.contiguous(), pieces, dst=dst, group=group, async_op=async_op)
-    return _finish(work, None, output, out, entry)
+    entry, out = _charge("gather", (output, input), dict(dst=dst, group=group)), None
+    if get_rank() == dst:
+        out = _flat(output)
+    work = dist.gather(input.contiguous(), list(out.chunk(get_world_size(group))) if out is not None else None,
+                       dst=dst, group=group, async_op=async_op)
+    return _finish(work, output, out, entry)
 
 
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)  # renamed in 2.12
@@ -660,11 +648,6 @@ _BUILTINS = dict(all_reduce=_torch_all_reduce, reduce_scatter=_torch_reduce_scat
 _HAND = {}  # the hand-written ones, by name, filled by the first use()
 
 
-def _average(op, flat, group):
-    if op == "avg" or op == dist.ReduceOp.AVG:
-        flat.div_(get_world_size(group))
-
-
 class _Finished:
     """A built-in's async work, and what is left to do once it is done."""
 
@@ -673,25 +656,23 @@ class _Finished:
 
     def wait(self):
         self._work.wait()
-        then, self._then = self._then, None
-        if then is not None:
-            then()
+        then, self._then = self._then, lambda: None
+        then()
         return True
 
     def is_completed(self):
         return self._work.is_completed()
 
 
-def _finish(work, then, tensor, flat, entry=None):
-    """then() (avg's divide), the copy back into a non-contiguous tensor, and the op's flight
-    record marked done (on a GPU, once the stream has passed it): now, or at wait() (async_op)."""
+def _finish(work, tensor, flat, entry, op=None, group=None):
+    """avg's divide, the copy back into a non-contiguous tensor, and the op's flight record
+    marked done (on a GPU, once the stream has passed it): now, or at wait() (async_op)."""
     def done():
-        if then is not None:
-            then()
         if flat is not None:
+            if op is not None and _op(op, flat.dtype) == "avg":
+                flat.div_(get_world_size(group))
             _copy_back(tensor, flat)
-        if entry is not None:
-            entry[5] = _enqueued() if entry[6].type == "cuda" else "done"
+        _mark_done(entry)
     if work is not None:
         return _Finished(work, done)
     done()
@@ -700,11 +681,12 @@ def _finish(work, then, tensor, flat, entry=None):
 _would_send = {}  # (op, shapes, dtypes, arguments, group) -> bytes the hand-written op sends from this rank
 
 
-def _charge(name, hand, tensors, kw, group):
+def _charge(name, tensors, kw):
     """Count the bytes the hand-written op would send: run it dry once per shape (its steps
     built and counted, nothing posted, on meta tensors), then from the cache."""
     if not _initialized():
         return None
+    hand, group = _HAND[name], kw["group"]
     link = _link(group)  # the group's ranks in the key, never the group: a cache must not keep a destroyed one alive
     # the flight record, as the hand-written ops keep it: a hang inside torch's is diagnosed too
     entry = _flight_entry(name, group, tensors[0].device if tensors[0] is not None else tensors[1].device)
@@ -849,9 +831,7 @@ def _members(group):
 
 class _Link:
     """What every op asks of its group, looked up once (torch's look-ups cost microseconds
-    each): my index, the size, each index's global rank and each global rank's index, the
-    group's name (the flight record's key), whether it runs on NCCL. The group is held weakly,
-    as the byte counts hold it: a destroyed group is freed then (see _stop_workers)."""
+    each). The group is held weakly, as the byte counts hold it (see _stop_workers)."""
 
     def __init__(self, pg):
         self._pg, self.me, self.n = weakref.ref(pg), dist.get_rank(pg), dist.get_world_size(pg)
@@ -1073,10 +1053,11 @@ def flight_record():
                 for name, (ranks, ops) in _flight.items()}
 
 
-def _enqueued():  # an event after the op's kernels, on the stream they went to (the caller's or the worker's)
-    event = torch.cuda.Event()
-    event.record()
-    return event
+def _mark_done(entry):
+    """The op's function has returned: done, or on a GPU an event after its kernels, on the
+    stream they went to (the caller's or the worker's), that says when."""
+    if entry is not None:
+        entry[5] = _stamp(entry[6]) if entry[6].type == "cuda" else "done"
 
 
 def _state(state):  # "posted", "done", or the CUDA event that says which
@@ -1133,26 +1114,22 @@ def _diagnosis(records, silent, wait_s=0):
     def waiting(r):
         return [(name, ranks, e) for name, (ranks, ops) in records[r].items() for e in ops if e[4] == "posted"]
 
+    def what(name, ranks, seq, op):
+        return f"{op} " + (f"#{seq} " if seq is not None else "") + f"on {where(name, ranks)}"
+
     clauses, never = [], set()
     for r in sorted(records):
         for name, ranks, (seq, op, nbytes, peers, _) in waiting(r):
-            if seq is None:  # a message to given peers: what is each of them doing?
-                for j in peers:
-                    if j in silent:
-                        clauses.append(f"rank {j} did not answer within {wait_s:g} s (stopped, or gone); rank {r} "
-                                       f"is waiting for it in {op} on {where(name, ranks)}")
-                    elif j in records:
-                        theirs = [f"{o} " + (f"#{s} " if s is not None else "") + f"on {where(n, rk)}"
-                                  for n, rk, (s, o, *_) in waiting(j)]
-                        clauses.append(f"rank {r} is waiting in {op} with rank {j}, which is "
-                                       + (f"in {', '.join(theirs)}" if theirs else "in no communication"))
-                continue
-            for j in ranks:
-                if j == r:
-                    continue
+            # a message's peers, or a collective's other members: what is each of them doing?
+            for j in [j for j in (ranks if seq is not None else peers) if j != r and (j in records or j in silent)]:
                 if j in silent:
                     clauses.append(f"rank {j} did not answer within {wait_s:g} s (stopped, or gone); rank {r} "
-                                   f"is waiting for it in {op} #{seq} on {where(name, ranks)}")
+                                   f"is waiting for it in {what(name, ranks, seq, op)}")
+                    continue
+                if seq is None:
+                    theirs = [what(n, rk, s, o) for n, rk, (s, o, *_) in waiting(j)]
+                    clauses.append(f"rank {r} is waiting in {op} with rank {j}, which is "
+                                   + (f"in {', '.join(theirs)}" if theirs else "in no communication"))
                     continue
                 ops = records[j].get(name, [ranks, []])[1]
                 numbered = {e[0]: e for e in ops if e[0] is not None}
@@ -1346,8 +1323,7 @@ def _execute(name, tracked, fn, entry=None, span=None):
             span["t1"] = _stamp(span["device"])
             if _count and span["row"] == "main":
                 span["upto"] = _count()
-        if entry is not None:
-            entry[5] = "done" if entry[6].type != "cuda" else _enqueued()
+        _mark_done(entry)
         return out
     finally:
         _running.op = None

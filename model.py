@@ -1,18 +1,13 @@
 """
 The one GPT every strategy trains, then the bookkeeping they all share.
 
-The model is everything above the fence ("# ===== the run machinery", line ~490), and needs
-nothing else of this project: GPT-2 as nanoGPT writes it (pre-LayerNorm blocks, GELU MLP,
-causal self-attention through scaled_dot_product_attention, learned positions, the token
-embedding tied to the head), its mixture-of-experts layer (--n_expert), the seeded init one
-unit at a time (so a sharded strategy never builds the whole model), and what a block keeps
-for backward (--recompute).
-
-Behind the fence, what makes every strategy's run the same run: the data and its sampler,
-the optimizer and its schedule, FLOPs and MFU, the flags (--help prints the comment on each
-flag's line), the run skeleton (start, restore, begin_iter, end_iter, finish) with its log,
---trace, checkpoints that any layout can load, and last the memory accounting (saved_bytes,
-activation_bytes) that the strategies log and the tests check.
+The model is everything above the fence ("# ===== the run machinery"): GPT-2 as nanoGPT
+writes it (the token embedding tied to the head), its mixture-of-experts layer (--n_expert),
+the seeded init one unit at a time (so a sharded strategy never builds the whole model), and
+what a block keeps for backward (--recompute). Behind the fence, what makes every strategy's
+run the same run: data, optimizer, FLOPs and MFU, the flags, the run skeleton (start,
+restore, begin_iter, end_iter, finish) with its log, --trace, checkpoints that any layout
+can load, and the memory accounting the strategies log and the tests check.
 """
 import glob
 import hashlib
@@ -166,27 +161,15 @@ def head(ln_f, weight, x, targets=None):
 # -----------------------------------------------------------------------------
 # mixture of experts (--n_expert=E; off by default, and then nothing here runs)
 #
-# Each block's MLP becomes E experts of the MLP's shape and a router that sends every
-# token to top_k of them; the block adds the chosen experts' outputs, weighted by the
-# router. Parameters grow E-fold, a token's compute k-fold. docs/expert_parallel.md gives
-# the sources; the choices:
-#   router    a linear map h -> E, no bias; it and its softmax in float32 whatever the
-#             autocast dtype (Switch's "selective precision": bf16 would flip choices)
-#   top-k     weights renormalized to sum to 1 (GShard, Mixtral); with top_k = 1 the weight
-#             is the probability itself (Switch), or the router would learn from the balance
-#             loss alone
-#   capacity  an expert takes at most ceil(cf·tokens·k/E) choices of the GLOBAL micro-batch
-#             (every data parallel rank's rows); the others get 0 and the residual carries
-#             them. Who is dropped is GShard's order: every first choice before any second,
-#             then the global batch's order (rank 0's rows, rank 1's...), so one process and
-#             N ranks drop the same ones. 0: no limit
-#   balance   Switch's E·Σ_e f_e·P_e (f_e: share of the choices, no gradient; P_e: mean
-#             router probability), per sequence and averaged (DeepSeek-V3): the same however
-#             the batch is split, and no message. The objective adds aux_loss_coef × its mean
-#             over layers; the logged `loss` stays the cross-entropy, `aux_loss` is that mean
-#   experts   stacked: c_fc (E, 4h, h), c_proj (E, h, 4h); an expert parallel rank holds the
-#             slice [start, stop) of dim 0, and a checkpoint stores it as one
-# How many rows each expert gets is read to the host once per layer, to size its matmuls.
+# Each block's MLP becomes E experts of its shape and a router sending every token to top_k
+# of them, whose outputs the block adds, weighted (sources: docs/expert_parallel.md). The
+# router and its softmax run in float32 (Switch: bf16 would flip choices); with top_k = 1
+# the weight is the probability itself, or the router would learn from the balance loss
+# alone. Capacity counts choices of the GLOBAL micro-batch (every data parallel rank's rows)
+# in GShard's order, every first choice before any second, then rank 0's rows, rank 1's...,
+# so one process and N ranks drop the same ones. The balance loss is per sequence, averaged:
+# the same however the batch is split, and no message. Experts are stacked on dim 0, of
+# which an expert parallel rank holds a slice.
 
 
 class ExpertLinear(nn.Module):
@@ -415,10 +398,8 @@ def mlp_params(config, experts):
 def active_params(config):
     """The parameters a token passes through, for the FLOP count: all of them in the
     dense GPT; with a mixture of experts, top_k experts a block and the router."""
-    if not config.n_expert:
-        return param_count(config)
-    return param_count(config) - config.n_layer * (mlp_params(config, config.n_expert)
-                                                   - mlp_params(config, config.top_k))
+    unused = mlp_params(config, config.n_expert) - mlp_params(config, config.top_k) if config.n_expert else 0
+    return param_count(config) - config.n_layer * unused
 
 
 # -----------------------------------------------------------------------------
@@ -443,12 +424,10 @@ def rerunning():
 
 
 def recompute_block(fn, x, mode="none"):
-    """fn(x), a block's forward, keeping for backward what --recompute=mode says.
-
-    full is torch.utils.checkpoint without re-entrance: its saved tensors are placeholders
-    the rerun fills, so the graph stays one graph and autograd.grad(inputs=), the pipeline's
-    split backward (B, W) and gradient hooks work as without it (the re-entrant version runs
-    a second backward inside the first). The x it keeps is counted here, once by storage."""
+    """fn(x), a block's forward, keeping for backward what --recompute=mode says. full is
+    torch.utils.checkpoint without re-entrance, so the graph stays one graph and
+    autograd.grad(inputs=), the pipeline's split backward (B, W) and gradient hooks work as
+    without it. The x it keeps is counted here, once by storage."""
     if mode == "full" and torch.is_grad_enabled():
         if _count is not None:
             _count(x)
@@ -523,11 +502,9 @@ def load_data(data_dir):
         top = meta["max_token_id"] if known else max(int(splits[s][i:i + (1 << 24)].max())  # in bounded chunks
                                                      for i in range(0, len(splits[s]), 1 << 24))
         if top >= vocab_size:
-            where = int(np.argmax(np.asarray(splits[s]) >= vocab_size)) if not known else None
-            die(f"{p} holds token id {top}" + (f" (first at position {where})" if where is not None else "")
-                + f", beyond the vocabulary of {vocab_size}" + (" given by meta.json" if "vocab_size" in meta else
-                                                                 " (GPT-2's; a meta.json with vocab_size says otherwise)"),
-                scope="node")
+            at = "" if known else f" (first at position {int(np.argmax(np.asarray(splits[s]) >= vocab_size))})"
+            given = " given by meta.json" if "vocab_size" in meta else " (GPT-2's; a meta.json with vocab_size says otherwise)"
+            die(f"{p} holds token id {top}{at}, beyond the vocabulary of {vocab_size}{given}", scope="node")
     return splits["train"], splits["val"], vocab_size
 
 
@@ -615,9 +592,8 @@ def clip_coef(total_norm, max_norm):
 
 def clip_by_global_norm(sq, grads, max_norm, groups=()):
     """The clip every strategy ends its step with. sq: this rank's part of the squared norm
-    of the model's gradient (strategies differ only in which tensors a rank counts, so each
-    element counts once), summed over each of `groups` in turn (an all-reduce of one float
-    each); then every gradient in `grads` is scaled by clip_coef. -> the norm, a tensor."""
+    of the gradient (each element counted on one rank), summed over each of `groups` in turn;
+    then every gradient in `grads` is scaled by clip_coef. -> the norm, a tensor."""
     for group in groups:
         C.all_reduce(sq, group=group)
     norm = sq.sqrt()
@@ -735,15 +711,11 @@ DIE_WAIT_OTHER_NODE_S = 5  # the same, for a rank on another node than the print
 
 
 def die(msg, scope="all"):
-    """Bad input ends the run with one line on stderr and a non-zero exit, never a hang.
-    scope says who sees the problem, so that one rank prints: "all" (a flag: rank 0), "node"
-    (a file: each machine's local rank 0), "me" (this rank).
-
-    Under torchrun the first rank to exit ends the job (its agent kills the others), so a
-    silent rank waits (at most DIE_WAIT_S) and the printer's exit ends the job: the line
-    gets out, and torchrun names the printer's code as the root cause. A rank on another
-    node than the printer's is never killed by it: it waits a few seconds only, so that its
-    agent's exit (which may take the rendezvous store down) comes after the line."""
+    """Bad input ends the run with one line on stderr and a non-zero exit, never a hang,
+    printed by one rank: scope "all" (a flag: rank 0), "node" (a file: each machine's local
+    rank 0) or "me". Under torchrun the first rank out ends the job, so the silent ranks wait
+    for the printer's exit; on another node only briefly (its agent's exit may take the
+    rendezvous store down, but must come after the line)."""
     rank, local = os.environ.get("RANK", "0"), os.environ.get("LOCAL_RANK", "0")
     if (scope == "all" and rank == "0") or (scope == "node" and local == "0") or scope == "me":
         prefix = f"rank {rank}: " if rank != "0" and scope != "all" else ""
@@ -1042,14 +1014,7 @@ def moe_log(run, model):
     return {name: float(v) for name, v in total.items()}
 
 
-def now(device):
-    """A point on the device's timeline: a CUDA event recorded on the current stream (the
-    CPU does not wait), or the CPU's clock. Read two with elapsed()."""
-    if device.type == "cuda":
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-    return time.perf_counter()
+now = C._stamp  # now(device): a point on its timeline, a CUDA event (the CPU does not wait) or the CPU's clock
 
 
 def elapsed(t0, t1):
@@ -1123,13 +1088,10 @@ class Logger:
 
 
 # -----------------------------------------------------------------------------
-# the trace: --trace=FILE records the steps --trace_steps of every rank, and rank 0 writes
-# them as one Chrome trace (ui.perfetto.dev opens it): a process per rank, its compute and
-# waits on one row, its asynchronous communication (the group's worker) on a second. The
-# strategies mark compute with `with M.span(name):` and name messages with span(name,
-# comm=True); collectives.py traces every op. Off, span() returns a shared no-op context.
-# Times are CUDA events on a GPU (read once a step, on the host's clock), else
-# time.perf_counter, which the processes of one machine share. Each compute span also
+# the trace: --trace=FILE records the steps --trace_steps of every rank as one Chrome trace
+# (ui.perfetto.dev): a process per rank, compute and waits on one row, asynchronous
+# communication on a second. Strategies mark compute with `with M.span(name):` and name
+# messages with span(name, comm=True); collectives.py traces every op. Each compute span
 # carries this rank's op and FLOP counts at its ends ("at", "upto": [stamp number, FLOPs,
 # ops], counted in the first traced step only): the work bench/trace_replay.py replays.
 
@@ -1233,7 +1195,7 @@ def trace_end(run, it):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
-    def us(t):  # a stamp from now() or collectives' _stamp -> microseconds on the host's clock
+    def us(t):  # a stamp from now() -> microseconds on the host's clock
         return 1e6 * (t if isinstance(t, float) else base[0] + base[1].elapsed_time(t) / 1000)
 
     spans = [dict(name=f"step {it}", cat="step", row="main", t0=run.t0, t1=step_end, bytes=0,
@@ -1264,15 +1226,11 @@ def write_trace(run):
     data = json.dumps(run.trace).encode()
     size = torch.tensor([len(data)], device=run.device)
     with C.untracked():
-        if run.world > 1:
-            C.all_reduce(size, op="max")
+        C.all_reduce(size, op="max")
         mine = torch.zeros(int(size.item()), dtype=torch.uint8, device=run.device)
         mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         every = torch.empty(run.world * mine.numel(), dtype=torch.uint8, device=run.device) if run.rank == 0 else None
-        if run.world > 1:
-            C.gather(every, mine, dst=0)
-        else:
-            every = mine
+        C.gather(every, mine, dst=0)
     run.trace = []
     if run.rank != 0:
         return
@@ -1310,12 +1268,8 @@ def write_trace(run):
 #   (dim, start, stop)   global.narrow(dim, start, stop - start)
 #   [(dim, a, b), ...]   those slices of one dim, concatenated (tensor parallel's q|k|v)
 #   ("flat", start, stop) global.view(-1)[start:stop], in any shape (FSDP's shards)
-# and `write` whether this rank saves it (a replica is saved once). Adam's moments travel
-# with their parameter. {out_dir}/step_{k:06d}/ is the state after k steps: rank{r}.pt, a
-# dict of tensors (loaded with weights_only=True), and manifest.json, written last (the
-# run, the model's config, every tensor's global shape, each file's pieces, size and
-# sha256). It is written as step_k.tmp and renamed once every rank is done, so a crash
-# never leaves a checkpoint that looks complete.
+# and `write` whether this rank saves it (a replica is saved once); Adam's moments travel
+# with their parameter. The folder's format: docs/checkpoints_and_faults.md.
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 _last_saved = ""
@@ -1361,8 +1315,7 @@ def save_checkpoint(run, step, folder=None):
     if run.rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # the leftover of a crash
         os.makedirs(tmp)
-    with C.untracked():
-        C.barrier(timeout_s=max(CKPT_WAIT_S, run.cfg.timeout_s))
+    C.barrier(timeout_s=max(CKPT_WAIT_S, run.cfg.timeout_s))  # (a barrier is never counted)
     tensors, pieces = {}, []
     for name, param, index, write in run.entries:
         if not write:
@@ -1379,8 +1332,7 @@ def save_checkpoint(run, step, folder=None):
     info = dict(file=os.path.basename(path), bytes=os.path.getsize(path), sha256=sha256(path), pieces=pieces)
     with open(path + ".json", "w") as f:
         json.dump(info, f)
-    with C.untracked():
-        C.barrier(timeout_s=max(CKPT_WAIT_S, run.cfg.timeout_s))  # every rank's file is complete
+    C.barrier(timeout_s=max(CKPT_WAIT_S, run.cfg.timeout_s))  # every rank's file is complete
     if run.rank == 0:
         files = []
         for r in range(run.world):
@@ -1524,9 +1476,8 @@ def latest_checkpoint(run):
     on a shared file system with caching, nodes can briefly list different newest folders."""
     done = checkpoints(run.cfg.out_dir)
     step = torch.tensor([int(os.path.basename(done[-1])[5:]) if done else -1], device=run.device)
-    if run.world > 1:
-        with C.untracked():
-            C.broadcast(step, src=0)
+    with C.untracked():
+        C.broadcast(step, src=0)
     return os.path.join(run.cfg.out_dir, f"step_{int(step.item()):06d}") if step.item() >= 0 else ""
 
 
@@ -1585,16 +1536,11 @@ def _counting(pack):
 
 
 def activation_bytes(config, tokens, mode="none", tp=1, sp=False, ring=False, dtype_bytes=4, layers=None):
-    """The bytes autograd keeps between forward and backward for `layers` blocks (default:
-    all) on `tokens` tokens, as saved_bytes() counts them; per token per layer, with h =
-    n_embd, a = n_head, d = dtype_bytes, t = tp (docs/memory.md derives it term by term):
-
-        none   d·(4h + 12h/t) + 4a/t + 16      (sequence parallel: d·(2h + 14h/t) + (4a + 16)/t)
-        gelu   none - d·4h/t                   the GELU outputs, recomputed
-        full   d·h (sp: d·h/t)                 the block's input
-
-    ring: context_parallel.py's ring keeps its output in (b, a, s, hs) order besides c_proj's
-    (b, s, h) input: d·h more (none, gelu)."""
+    """The bytes autograd keeps for backward in `layers` blocks (default: all) on `tokens`
+    tokens, as saved_bytes() counts them; per token per layer (docs/memory.md derives it), with
+    h = n_embd, a = n_head, d = dtype_bytes, t = tp: none d·(4h + 12h/t) + 4a/t + 16 (sp:
+    d·(2h + 14h/t) + (4a + 16)/t); gelu that - d·4h/t; full d·h (sp: d·h/t). ring: context
+    parallel's ring keeps its output in (b, a, s, hs) order too: d·h more (none, gelu)."""
     h, a, d, t, n = config.n_embd, config.n_head, dtype_bytes, tp, tokens
     layers = config.n_layer if layers is None else layers
     if mode == "full":
