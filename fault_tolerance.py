@@ -28,6 +28,9 @@ process every replica reaches (--coordinator=HOST:PORT; docs/fault_tolerance.md)
 --sync_every=H > 1 is DiLoCo (Douillard et al. 2023): H local AdamW steps on a replica's own
 rows, then an all-reduce of the pseudo-gradient (the round's start weights minus the local
 ones) and an outer Nesterov step: 2(N-1)/N of the weight bytes every H steps, 1/H of DDP's.
+
+The lesson is everything above the "the lab" fence (a replica's step, its vote, its recovery,
+the state it sends a joiner); below it: the coordinator, the launcher, faults on demand.
 """
 
 import copy

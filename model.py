@@ -994,11 +994,12 @@ def finish(run):
     return run.log.records
 
 
-def moe_log(run, model):
+def moe_log(run, model, count_experts=True):
     """The step's mixture-of-experts numbers as end_iter keywords ({} for a dense model):
     aux_loss (mean over layers and micro-steps), dropped_tokens (summed over layers) and what
     a strategy's layers count besides; and into rank 0's record expert_tokens, the choices
-    each expert took from all ranks. Every rank calls it."""
+    each expert took from all ranks (count_experts=False: not this rank's, where another rank
+    routed the same tokens). Every rank calls it."""
     total = {}
     for m in moe_layers(model):
         for name, v in m.tally.items():
@@ -1006,7 +1007,7 @@ def moe_log(run, model):
         m.tally = {}
     if not total:
         return {}
-    per_expert, forwards = total.pop("expert_tokens").tolist(), total.pop("forwards")
+    per_expert, forwards = (total.pop("expert_tokens") * count_experts).tolist(), total.pop("forwards")
     rows = C.gather_stats({f"expert_{e}": n for e, n in enumerate(per_expert)})
     if rows is not None:
         run.record["expert_tokens"] = [int(sum(rows[f"expert_{e}"])) for e in range(len(per_expert))]

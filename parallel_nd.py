@@ -583,10 +583,7 @@ def moe_stats(run, stage, me, ep_group, dispatch):
     """model.moe_log's fields (the experts' loads counted once: tp rank 0's), and under
     alltoall `routed`, the rows this rank's ep group dispatched to each other in the step,
     for the formula (an untracked all-reduce of one number: bookkeeping)."""
-    for m in M.moe_layers(stage):
-        if me.tp:
-            m.tally["expert_tokens"] = m.tally["expert_tokens"] * 0
-    logged = M.moe_log(run, stage)
+    logged = M.moe_log(run, stage, count_experts=me.tp == 0)
     if dispatch == "alltoall":
         routed = torch.tensor([logged["sent_tokens"]], dtype=torch.float64, device=run.device)
         with C.untracked():
