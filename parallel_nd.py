@@ -186,30 +186,33 @@ def stage_units(stage):
 # dp_shard: a stage's units sharded over the shard group (fsdp.py's Unit, Gathers, GradReduces)
 
 
+def unit_of(dp, key):
+    """fsdp's unit that computes `key` (the head is the ends' unit, computing again)."""
+    return dp.by_key["ends" if key == "head" else key]
+
+
 def shard_hooks(dp, stage, reshard):
     """The stage's ZeRO-3 hooks on fsdp.Gathers (dp.gathers, made per pass): gather(key) before
     unit `key` computes waits for its all-gather and issues the next ones. In a pipeline a unit
     is kept to the step's end (torchtitan's reshard_after_forward=False: one gather for every
     micro-batch). With one micro-batch and no pipeline (reshard) done(key, x) frees it after its
     forward and a Handoff on x gathers it again for backward, as fsdp.py: two all-gathers a step."""
-    unit = lambda key: dp.by_key["ends" if key == "head" else key]  # noqa: E731
-
     @torch.compiler.disable  # under --compile: messages, run as they are between the graphs
     def gather(key):
-        dp.gathers.take(unit(key))
+        dp.gathers.take(unit_of(dp, key))
         dp.gathers.prefetch()  # the next units' all-gathers travel while this one computes
 
     @torch.compiler.disable
     def done(key, x):
         if not reshard:
             return x
-        dp.gathers.free(unit(key))
+        dp.gathers.free(unit_of(dp, key))
         if not torch.is_grad_enabled():
             return x
         j = dp.forward_order.index(key)
 
         def then():  # backward reached key's output: the unit after it is done, key's begins
-            dp.gathers.free(unit(dp.forward_order[j + 1]))
+            dp.gathers.free(unit_of(dp, dp.forward_order[j + 1]))
             if j > 0:
                 gather(key)
         return FSDP.Handoff.apply(x, then)
@@ -220,7 +223,7 @@ def new_pass(dp, train):
     """The all-gathers of one pass (a step, a validation batch): the units as they compute, or
     once each in a pipeline."""
     if dp.zero == 3:
-        units = [dp.by_key["ends" if k == "head" else k] for k in dp.forward_order]
+        units = [unit_of(dp, k) for k in dp.forward_order]
         if dp.reshard:
             units += units[-2:0:-1] if train else []
         dp.gathers = FSDP.Gathers(list(dict.fromkeys(units)) if not dp.reshard else units, dp.prefetch)
