@@ -119,7 +119,9 @@ def _segments(chunk):
 
 def _segmented(nseg, *chunks):
     """The chunks cut into nseg segments each, zipped: segment i of every chunk together."""
-    return zip(*(_pieces(c, nseg) for c in chunks))
+    # A list, not a generator: this runs on a worker thread, and CPython (3.11) fails a tuple
+    # built from a generator with SystemError when another thread calls gc.get_objects() meanwhile.
+    return zip(*[_pieces(c, nseg) for c in chunks])
 
 
 def _pieces(t, parts):
