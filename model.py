@@ -29,6 +29,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch.utils import flop_counter
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 # -----------------------------------------------------------------------------
 # sizes
@@ -1093,8 +1094,8 @@ class Logger:
 # (ui.perfetto.dev): a process per rank, compute and waits on one row, asynchronous
 # communication on a second. Strategies mark compute with `with M.span(name):` and name
 # messages with span(name, comm=True); collectives.py traces every op. Each compute span
-# carries this rank's op and FLOP counts at its ends ("at", "upto": [stamp number, FLOPs,
-# ops], counted in the first traced step only): the work bench/trace_replay.py replays.
+# carries this rank's counts at its ends ("at", "upto": [stamp number, FLOPs, ops, bytes the
+# ops read and wrote], counted in the first traced step only): the work bench/trace_replay.py replays.
 
 _tracer = None  # while a traced step runs: (its compute spans, the device, the clock's base, the _Count)
 
@@ -1108,13 +1109,13 @@ for _op, _formula, _n in ((torch.ops.aten._scaled_dot_product_flash_attention_fo
 
 
 class _Count(TorchDispatchMode):
-    """The ops this thread dispatches and their FLOPs, as torch's flop counter counts them;
-    thread-local, so the collectives' workers are not counted. Called: a stamp [its number,
-    FLOPs so far, ops so far]. Counting costs a Python call an op, so only the first traced
-    step counts (its program is every step's); the others stamp [number, None, None]."""
+    """The ops this thread dispatches, their FLOPs (as torch's flop counter counts them) and the
+    bytes of their tensors; thread-local, so the collectives' workers are not counted. Called: a
+    stamp [its number, FLOPs, ops, bytes so far]. Counting costs a Python call an op, so only the
+    first traced step counts (its program is every step's); the others stamp [number, None, ...]."""
     def __init__(self, counting):
         super().__init__()
-        self.seq = self.flops = self.ops = 0
+        self.seq = self.flops = self.ops = self.bytes = 0
         self.counting = counting
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -1124,11 +1125,13 @@ class _Count(TorchDispatchMode):
         packet = func._overloadpacket
         if packet in flop_counter.flop_registry:
             self.flops += flop_counter.flop_registry[packet](*args, **kwargs, out_val=out)
+        if not func.is_view:  # what it reads and writes: an elementwise op's time follows it, not FLOPs
+            self.bytes += sum(t.nbytes for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor))
         return out
 
     def __call__(self):
         self.seq += 1
-        return [self.seq, self.flops, self.ops] if self.counting else [self.seq, None, None]
+        return [self.seq, self.flops, self.ops, self.bytes] if self.counting else [self.seq, None, None, None]
 
 
 _NO_SPAN = nullcontext()
@@ -1200,7 +1203,7 @@ def trace_end(run, it):
         return 1e6 * (t if isinstance(t, float) else base[0] + base[1].elapsed_time(t) / 1000)
 
     spans = [dict(name=f"step {it}", cat="step", row="main", t0=run.t0, t1=step_end, bytes=0,
-                  at=[0, 0, 0] if count.counting else [0, None, None], upto=end)] + spans + comm
+                  at=[0, 0, 0, 0] if count.counting else [0, None, None, None], upto=end)] + spans + comm
     for s in spans:
         ts = us(s["t0"])
         args = dict(step=it)

@@ -1,8 +1,8 @@
 """
 What this exact program would do on a cluster: replay a --trace of any strategy on a modeled
 one. Every rank keeps the order it issued its work in (the trace's stamps); between two stamps
-it computes what it dispatched there (the FLOPs and ops model.py counted) at the cluster's
-rate; a collective ends when its slowest member has pushed its messages over the links it
+it computes what it dispatched there (the FLOPs, ops and bytes model.py counted) at the
+cluster's rates; a collective ends when its slowest member has pushed its messages over the links it
 uses, once every member has reached it; a point-to-point message arrives once both ends have
 posted it; an async op runs on its group's worker, in the order issued, beside the compute.
 
@@ -14,20 +14,22 @@ posted it; an async op runs on its group's worker, in the order issued, beside t
     python bench/trace_replay.py --what_if                   # GPT-2 and a 1.7B on 8 and 2 x 8 H100s
 
 Cluster (a rank = a device, or a process sharing `cores` with the others): its compute
-rate F (FLOP/s, peak x efficiency), a host cost per dispatched op and per call, alpha (a
-message's latency) and beta (bytes/s) inside a node and across, the ranks a node. A stretch
-of work costs FLOPs / F + ops x op_s; a collective on a rank costs call_s + the sum over the
-peers it sends to (or hears from, whichever is more) of messages x alpha + bytes / beta of
-that link, and the member that takes longest decides (docs/formulas.md's alpha-beta costs,
+rate F (FLOP/s, peak x efficiency), its memory rate M (bytes/s), a host cost per dispatched op
+and per call, alpha (a message's latency) and beta (bytes/s) inside a node and across, the ranks
+a node. A stretch of work costs FLOPs / F + bytes / M + ops x op_s (bytes: what its ops read and
+wrote; an elementwise op over a large tensor takes time for few FLOPs); a collective on a rank
+costs call_s + the sum over the peers it sends to (or hears from, whichever is more) of
+messages x alpha + bytes / beta of that link, and the member that takes longest decides (docs/formulas.md's alpha-beta costs,
 counted from the trace's own messages); in a blocking collective the member that arrived last
 leaves lag_s after the others (gloo here: it stays the late one, replay()'s late()). With
 `cores` < ranks the ranks computing at once share the cores (processor sharing): a rank that
 waits lends its core, and an async op in flight (its thread copies and reduces) takes a share
 as a computing rank does.
 
---check calibrates F, op_s (the compute stretches), the link (each collective's and
+--check calibrates F, M, op_s (the compute stretches), the link (each collective's and
 message's time from its last member's arrival to its end) and lag_s on the 2-rank runs but the one it
-predicts (leave one out), and predicts the 4-rank runs from all of them, the cores shared.
+predicts (leave one out), and predicts the 4-rank runs from all of them, the cores shared: as many
+as the other 4-rank runs say four processes on them behave as (shared_cores()).
 --what_if traces at a model's depth and a small width, then scales (scale()): each stretch's
 FLOPs by the model formula's ratio, DDP's and FSDP's messages by the parameter ratio, the
 others' by h x tokens. Calculated figures, never measured ones (docs/planning.md).
@@ -35,7 +37,7 @@ others' by h x tokens. Calculated figures, never measured ones (docs/planning.md
 What --check runs and prints. It traces every strategy (DDP bucketed and overlapped, FSDP, tensor
 parallel with and without sequence parallelism, the ring, the experts, the pipeline's five
 schedules at m = 8, the mesh's tp x dp) at 2 and 4 ranks of the tiny preset, five traced steps
-each (the first counts the work, the four others keep their time); fits F and op_s on the compute
+each (the first counts the work, the four others keep their time); fits F, M and op_s on the compute
 stretches, the link (alpha, beta, a call) on the collectives' times and lag_s on the 2-rank runs,
 each stretch and op the median of its four timed steps. Per run: the predicted step beside the
 measured one (the median of the timed steps, their range beside it), and the share of the step the
@@ -47,7 +49,8 @@ run (run, strategy, ranks, predicted_ms, measured_ms, the steps, the waiting sha
 What --what_if runs: each strategy traced at 8 and 16 ranks at a model's real depth and a width
 of 64 (16 heads, so that every split divides it), replayed on 8 H100s in a node and on 2 x 8 at
 plan_cluster.py's figures (989 TFLOP/s x its eff, NVLink 450 GB/s, one 400 Gb/s NIC a GPU, NCCL's
-latencies), no host cost an op, the trace's float32 bytes; for GPT-2 124M (8 sequences of 1,024 a
+latencies), no host cost an op and no memory term (HBM traffic not charged: the planner adds it, so
+these rows are the faster side of its figure), the trace's float32 bytes; for GPT-2 124M (8 sequences of 1,024 a
 GPU) and a 1.7B at Megatron-Core's shape (24 layers, h = 2,048, 4 x 4,096 tokens a GPU). The
 scaling is the model's formula, not a trace at the width: a stretch's FLOPs grow by one ratio
 whatever it holds, and the ops a stretch dispatches stay the trace's.
@@ -110,7 +113,7 @@ def timed_steps(trace):
 def programs(trace, step=None, world=None):
     """-> (step, [per rank: its program], measured) for one traced step (default: the median of the
     uncounted ones), its work as the counted step counted it (the same program every step).
-    A program: ("compute", flops, ops, name) | (kind, op, t0, t1), kind "post", "sync" or "wait",
+    A program: ("compute", flops, ops, name, bytes) | (kind, op, t0, t1), kind "post", "sync" or "wait",
     op a dict with its group, kind and messages, t0 and t1 the step's times of the item (us).
     measured: per rank (step start, step length, its events)."""
     info = trace.get("otherData", {})
@@ -125,6 +128,9 @@ def programs(trace, step=None, world=None):
     if counted is None:
         raise TraceError("the trace has no work counts (at/upto: an older --trace, or a --compile run): "
                          "retrace it with this code's --trace, without --compile")
+    if any(len(e["args"]["at"]) < 4 for e in events if "at" in e["args"]):
+        raise TraceError("the trace counts no bytes an op moves (at/upto [number, FLOPs, ops, bytes]: an older "
+                         "--trace): retrace it with this code's --trace")
     if step is None:
         timed = set(timed_steps(trace))
         step = timeline.median_step([e for e in events if e["args"].get("step") in timed])
@@ -145,7 +151,7 @@ def programs(trace, step=None, world=None):
             a = count[e["args"]["at"][0]] if e is not None else heads[0]["args"]
             at = a["at"] if e is not None else a["upto"]
             if at[2] > cur[2] or at[1] > cur[1]:
-                prog.append(("compute", at[1] - cur[1], at[2] - cur[2], label(compute, cur[0], at[0])))
+                prog.append(("compute", at[1] - cur[1], at[2] - cur[2], label(compute, cur[0], at[0]), at[3] - cur[3]))
             if e is None:
                 break
             if e["cat"] == "wait":
@@ -185,15 +191,15 @@ def label(compute, first, last):
 # ----------------------------------------------------------------------------- the cluster
 
 def cluster(name, **over):
-    """here: this machine (F, op_s, link: --check fits them); h100: 8 H100 a node, plan_cluster.py's
+    """here: this machine (F, M, op_s, link: --check fits them); h100: 8 H100 a node, plan_cluster.py's
     data-sheet figures (dense bf16 peak x its eff, NVLink and a 400 Gb/s NIC a GPU, NCCL's latencies)."""
     if name == "here":
-        base = dict(flops=20e9, op_s=20e-6, call_s=100e-6, lag_s=0.0, alpha=300e-6, beta=1e9, alpha_x=300e-6,
-                    beta_x=1e9, per_node=1 << 30, cores=os.cpu_count(), peak=None)
+        base = dict(flops=20e9, mem_bw=5e9, op_s=20e-6, call_s=100e-6, lag_s=0.0, alpha=300e-6, beta=1e9,
+                    alpha_x=300e-6, beta_x=1e9, per_node=1 << 30, cores=os.cpu_count(), peak=None)
     elif name == "h100":
         import plan_cluster as PC
         g = PC.CLUSTERS["H100"]
-        base = dict(flops=g["peak"] * PC.EFF, op_s=0.0, call_s=PC.LAT_CALL, lag_s=0.0,
+        base = dict(flops=g["peak"] * PC.EFF, op_s=0.0, mem_bw=math.inf, call_s=PC.LAT_CALL, lag_s=0.0,
                     alpha=PC.LAT_NVLINK, beta=g["nvlink_bw"],
                     alpha_x=PC.LAT_IB, beta_x=g["ib_bw"], per_node=g["gpus_per_node"], cores=None, peak=g["peak"])
     else:
@@ -328,8 +334,9 @@ def replay(progs, cl, flop_scale=1.0, byte_scale=1.0):
             kind, *rest = prog[pc[r]]
             if kind == "compute":
                 if left[r] is None:
-                    flops, ops, _ = rest
-                    left[r], started[r] = flops * flop_scale / cl["flops"] + ops * cl["op_s"], now
+                    flops, ops, _, nbytes = rest
+                    left[r] = flops * flop_scale / cl["flops"] + ops * cl["op_s"] + nbytes / cl["mem_bw"]
+                    started[r] = now
                 if left[r] > 1e-15:
                     return "run"
                 out[r]["spans"].append((started[r], now - started[r], "compute", rest[2], 0))
@@ -424,7 +431,7 @@ def measured_waiting(measured):
 
 
 def stretches(progs, measured):
-    """(flops, ops, seconds) of every compute stretch as measured: from the end of the item before
+    """(flops, ops, bytes, seconds) of every compute stretch as measured: from the end of the item before
     it (a collective, a wait, a post; or the step's start) to the start of the one after."""
     rows = []
     for prog, (start, length, _) in zip(progs, measured):
@@ -433,7 +440,7 @@ def stretches(progs, measured):
                 t0 = prog[i - 1][3] if i > 0 else start
                 t1 = prog[i + 1][2] if i + 1 < len(prog) else start + length
                 if t1 > t0:
-                    rows.append((item[1], item[2], (t1 - t0) / 1e6))
+                    rows.append((item[1], item[2], item[4], (t1 - t0) / 1e6))
     return rows
 
 
@@ -508,13 +515,14 @@ def samples(trace):
 
 
 def calibrate(runs):
-    """F, op_s from the compute stretches; call_s, alpha and 1/beta from the ops' times; lag_s,
+    """F, M and op_s from the compute stretches; call_s, alpha and 1/beta from the ops' times; lag_s,
     the mean lag of a blocking collective's late member. runs: samples() of each trace."""
-    inv_f, op_s = nonneg_fit([row for comp, _, _ in runs for row in comp])
+    inv_f, op_s, inv_mem = nonneg_fit([row for comp, _, _ in runs for row in comp])
     call_s, alpha, inv_beta = nonneg_fit([(1.0, *row) for _, wire, _ in runs for row in wire])
     lags = [row[0] for _, _, lag in runs for row in lag]
     beta = 1 / inv_beta if inv_beta > 0 else 1e12
-    return dict(flops=1 / inv_f if inv_f > 0 else 1e15, op_s=op_s, call_s=call_s, alpha=alpha, beta=beta,
+    return dict(flops=1 / inv_f if inv_f > 0 else 1e15, mem_bw=1 / inv_mem if inv_mem > 0 else math.inf, op_s=op_s,
+                call_s=call_s, alpha=alpha, beta=beta,
                 lag_s=max(0.0, statistics.mean(lags)) if lags else 0.0,
                 alpha_x=alpha, beta_x=beta)
 
@@ -592,23 +600,25 @@ def check(args, folder):
     here_all = calibrate(list(two.values()))
     print(f"calibrated on the {len(two)} runs at 2 ranks (each 2-rank row below on the others only): "
           f"F {here_all['flops'] / 1e9:.1f} GFLOP/s, {1e6 * here_all['op_s']:.1f} us an op, "
+          f"memory {here_all['mem_bw'] / 1e9:.1f} GB/s, "
           f"{1e6 * here_all['call_s']:.0f} us a call, a late member {1e6 * here_all['lag_s']:.0f} us, "
           f"alpha {1e6 * here_all['alpha']:.0f} us, "
           f"beta {here_all['beta'] / 1e9:.2f} GB/s; {os.cpu_count()} cores shared, load average "
           f"{os.getloadavg()[0]:.1f} at the end")
     print(f"{'run':>21} {'ranks':>5} {'predicted ms':>12} {'measured ms':>11} {'(its steps)':>17} {'ratio':>6} "
           f"{'waiting: predicted':>18} {'measured':>8}")
-    records = []
+    records, cores = [], shared_cores(got, traces, here_all)
     for (name, world), (progs, meas) in got.items():
         fit = calibrate([v for k, v in two.items() if k != (name, world)]) if world == 2 and len(two) > 1 else here_all
-        row = summary(replay(progs, cluster("here", **fit)))
+        row = summary(replay(progs, cluster("here", **fit, cores=cores.get((name, world), os.cpu_count()))))
         lengths = step_lengths(traces[(name, world)])
         m = statistics.median(lengths)
         rec = dict(run=name, strategy=name.split()[0], ranks=world, predicted_ms=1e3 * row["step_s"],
                    measured_ms=1e3 * m, measured_steps_ms=[round(1e3 * x, 1) for x in lengths],
                    ratio=row["step_s"] / m, waiting_predicted=row["waiting"], waiting_measured=measured_waiting(meas),
-                   calibrated_on="the other 2-rank runs" if world == 2 else "every 2-rank run",
-                   cores=os.cpu_count())
+                   calibrated_on="the other 2-rank runs" if world == 2 else
+                   "every 2-rank run; the cores on the other 4-rank runs",
+                   cores=cores.get((name, world), os.cpu_count()))
         records.append(rec)
         spread = f"{1e3 * min(lengths):.0f}-{1e3 * max(lengths):.0f}"
         print(f"{name:>21} {world:>5} {rec['predicted_ms']:>12.1f} {rec['measured_ms']:>11.1f} {spread:>17} "
@@ -623,6 +633,26 @@ def check(args, folder):
                   + (f"; the schedules' waiting share at most {abs(idle['waiting_predicted'] - idle['waiting_measured']):.2f}"
                      f" off ({idle['run']})" if idle else ""))
     return records, got, here_all
+
+
+def shared_cores(got, traces, fit, n=None):
+    """Where more ranks than cores run, the cores they behave as sharing: processor sharing at its
+    ideal loses nothing, but four processes on two cores also lose to switching and cold caches. For
+    each such run, the value (on a grid down to half the cores) at which the *other* runs of its world
+    size are predicted, in the median, at their measured steps. -> {(label, world): cores}"""
+    n = n or os.cpu_count()
+    grid = [n * (0.5 + i / 40) for i in range(21)]
+    out = {}
+    for world in sorted({w for _, w in got if w > n}):
+        keys = [k for k in got if k[1] == world]
+        ratio = {k: [math.log(summary(replay(got[k][0], cluster("here", **dict(fit, cores=c))))["step_s"]
+                              / statistics.median(step_lengths(traces[k]))) for c in grid] for k in keys}
+        for k in keys:
+            others = [o for o in keys if o != k] or [k]
+            out[k] = min(grid, key=lambda c: abs(statistics.median(ratio[o][grid.index(c)] for o in others)))
+        print(f"at {world} ranks the {n} cores behave as {statistics.median(out[k] for k in keys):.2f} "
+              f"(each {world}-rank row below fitted on the other {world}-rank runs; ideal processor sharing: {n})")
+    return out
 
 
 # ----------------------------------------------------------------------------- what-ifs
@@ -715,7 +745,8 @@ def main(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("trace", nargs="?", help="a --trace file to replay")
     p.add_argument("--cluster", default="here", help="here or h100 (8 a node)")
-    for k, what in (("flops", "FLOP/s a rank"), ("op_us", "host us an op"), ("call_us", "host us a call"),
+    for k, what in (("flops", "FLOP/s a rank"), ("mem_gbs", "memory GB/s a rank"), ("op_us", "host us an op"),
+                    ("call_us", "host us a call"),
                     ("alpha_us", "latency inside a node, us"), ("beta_gbs", "GB/s inside a node"),
                     ("alpha_x_us", "latency across nodes, us"), ("beta_x_gbs", "GB/s across nodes")):
         p.add_argument(f"--{k}", type=float, help=what)
@@ -749,12 +780,11 @@ def main(argv=None):
             return
         if not args.trace:
             p.error("give a trace, or --check")
-        over = dict(flops=args.flops, per_node=args.per_node,
-                    cores=None if args.cores == 0 else args.cores,
+        over = dict(flops=args.flops, per_node=args.per_node, cores=None if args.cores == 0 else args.cores,
                     **{k: (None if v is None else v * 1e-6) for k, v in
                        dict(op_s=args.op_us, call_s=args.call_us, alpha=args.alpha_us, alpha_x=args.alpha_x_us).items()},
                     **{k: (None if v is None else v * 1e9) for k, v in
-                       dict(beta=args.beta_gbs, beta_x=args.beta_x_gbs).items()})
+                       dict(beta=args.beta_gbs, beta_x=args.beta_x_gbs, mem_bw=args.mem_gbs).items()})
         cl = cluster(args.cluster, **over)
         trace = load(args.trace)
         info = trace.get("otherData", {})

@@ -14,35 +14,36 @@ from harness import ROOT, spawn
 sys.path[:0] = [ROOT, os.path.join(ROOT, "bench")]
 import trace_replay as R  # noqa: E402
 
-CL = dict(flops=1e9, op_s=0.0, call_s=0.0, alpha=1e-3, beta=1e6, alpha_x=1e-3, beta_x=1e6, per_node=1 << 30,
+CL = dict(flops=1e9, mem_bw=1e9, op_s=0.0, call_s=0.0, alpha=1e-3, beta=1e6, alpha_x=1e-3, beta_x=1e6, per_node=1 << 30,
           cores=None, peak=None)  # a FLOP a ns, a message 1 ms + a byte a us
 
 
 def trace(ranks, world=None, step=2):
-    """ranks: per rank, a list of ("compute", flops) | ("sync"|"post", op, group, {peer: bytes}) |
+    """ranks: per rank, a list of ("compute", flops[, bytes]) | ("sync"|"post", op, group, {peer: bytes}) |
     ("wait", index of the post it waits for); -> a trace in --trace's format (times are not read)."""
     events = []
     for r, items in enumerate(ranks):
-        seq, flops, posts = 0, 0, []
+        seq, flops, nbytes, posts = 0, 0, 0, []
         for item in items:
             if item[0] == "compute":
                 flops += item[1]
+                nbytes += item[2] if len(item) > 2 else 0
                 continue
             seq += 1
             if item[0] == "wait":
                 events.append(dict(name="wait", cat="wait", ph="X", ts=0, dur=0, pid=r, tid=0,
-                                   args=dict(step=step, at=[seq, flops, 0], upto=[seq + 1, flops, 0],
+                                   args=dict(step=step, at=[seq, flops, 0, nbytes], upto=[seq + 1, flops, 0, nbytes],
                                              of=posts[item[1]], op="all_reduce", group=[], peers=[], bytes=0)))
                 seq += 1
                 continue
             kind, op, group, peers = item
             sent = {str(p): [1, b] for p, b in peers.items()}
             args = dict(step=step, op=op, group=group, peers=sorted(peers), bytes=sum(peers.values()), to=sent,
-                        frm=sent if op != "send" else {}, at=[seq, flops, 0])
+                        frm=sent if op != "send" else {}, at=[seq, flops, 0, nbytes])
             if op == "recv":
                 args["to"] = {}
             if kind == "sync":
-                args["upto"] = [seq + 1, flops, 0]
+                args["upto"] = [seq + 1, flops, 0, nbytes]
                 seq += 1
             else:
                 posts.append(seq)
@@ -50,7 +51,7 @@ def trace(ranks, world=None, step=2):
                                args=args))
         seq += 1
         events.append(dict(name=f"step {step}", cat="step", ph="X", ts=0, dur=1, pid=r, tid=0,
-                           args=dict(step=step, at=[0, 0, 0], upto=[seq, flops, 0])))
+                           args=dict(step=step, at=[0, 0, 0, 0], upto=[seq, flops, 0, nbytes])))
     return dict(traceEvents=events, otherData=dict(strategy="ddp", world=world or len(ranks)))
 
 
@@ -129,6 +130,28 @@ def test_ranks_sharing_cores_share_their_time():
 
 
 @pytest.mark.quick
+def test_the_cores_four_ranks_behave_as_are_fitted_on_the_other_runs():
+    """Four ranks of 1 s each on 2 cores take 2 s at ideal sharing; runs measured at 2.5 s say the
+    cores behave as 1.6, and each run's value comes from the others only (an outlier moves none)."""
+    runs = {("a", 4): 2.5, ("b", 4): 2.5, ("c", 4): 2.5, ("odd", 4): 4.0}
+    traces = {}
+    for key, seconds in runs.items():
+        traces[key] = trace([[("compute", 1e9)]] * 4)
+        for e in traces[key]["traceEvents"]:
+            e["dur"] = 1e6 * seconds
+    got = {k: R.programs(t)[1:] for k, t in traces.items()}
+    cores = R.shared_cores(got, traces, dict(CL, cores=2), n=2)
+    assert cores[("a", 4)] == pytest.approx(1.6) and cores[("odd", 4)] == pytest.approx(1.6)
+
+
+@pytest.mark.quick
+def test_the_bytes_an_op_moves_cost_time_as_its_flops_do():
+    """1 GFLOP that also reads and writes 2 GB: 1 s at 1 GFLOP/s, plus 2 s at 1 GB/s of memory (the
+    softmax over a block of scores: few FLOPs, many bytes)."""
+    assert step_of(trace([[("compute", 1e9, 2e9)], [("compute", 1e9)]]))["step_s"] == pytest.approx(3.0)
+
+
+@pytest.mark.quick
 def test_a_trace_lacking_what_the_replay_needs_is_refused_in_one_line(tmp_path, capsys):
     ar = ("sync", "all_reduce", [0, 1])
     good = trace([[("compute", 1e9), ar + ({1: 10},)], [("compute", 1e9), ar + ({0: 10},)]])
@@ -137,8 +160,14 @@ def test_a_trace_lacking_what_the_replay_needs_is_refused_in_one_line(tmp_path, 
         for k in ("at", "upto", "to", "frm"):
             e["args"].pop(k, None)
     short = dict(good, traceEvents=[e for e in good["traceEvents"] if e["pid"] == 0])
+    no_bytes = json.loads(json.dumps(good))
+    for e in no_bytes["traceEvents"]:
+        for k in ("at", "upto"):
+            if k in e["args"]:
+                e["args"][k] = e["args"][k][:3]
     lone = trace([[("compute", 1e9), ar + ({1: 10},)], [("compute", 1e9)]])
-    cases = {"old": (old, "no work counts"), "short": (short, "cut short: rank 1 has no step 2"),
+    cases = {"old": (old, "no work counts"), "no_bytes": (no_bytes, "counts no bytes"),
+             "short": (short, "cut short: rank 1 has no step 2"),
              "lone": (lone, "has no partner on rank(s) [1]")}
     for name, (t, says) in cases.items():
         path = tmp_path / f"{name}.json"
@@ -173,6 +202,10 @@ def test_a_real_trace_counts_the_models_flops_and_matches_every_message(train_ar
         counted = sum(item[1] for prog in progs for item in prog if item[0] == "compute")
         # torch's count of the matmuls and attention: the formula's 6N + 12·L·H·Q·T a token
         assert counted == pytest.approx(M.flops_per_token(config) * tokens, rel=0.03), name
+        # the bytes: at least AdamW's reads of every parameter, its gradient and two moments (a rank's
+        # stage of them in the pipeline: over half the model, the embedding's stage)
+        moved = sum(item[4] for prog in progs for item in prog if item[0] == "compute")
+        assert moved > 2 * 4 * 4 * M.param_count(config) / 2, name
         fit = R.calibrate([R.samples(t)])  # the link and the compute rate from this trace itself
         row = R.summary(R.replay(progs, R.cluster("here", **fit)))
         assert 0 < row["step_s"] and len(row["busy_s"]) == 2, name
