@@ -13,26 +13,26 @@ posted it; an async op runs on its group's worker, in the order issued, beside t
                                                              # p = 4 zero-bubble rows at a core a stage
     python bench/trace_replay.py --what_if                   # GPT-2 and a 1.7B on 8 and 2 x 8 H100s
 
-Cluster (a rank = a device, or a process sharing `cores` with the others): its compute
-rate F (FLOP/s, peak x efficiency), its memory rate M (bytes/s), a host cost per dispatched op
-and per call, alpha (a message's latency) and beta (bytes/s) inside a node and across, the ranks
-a node. A stretch of work costs FLOPs / F + bytes / M + ops x op_s (bytes: what its ops read and
-wrote; an elementwise op over a large tensor takes time for few FLOPs); a collective on a rank
-costs call_s + the sum over the peers it sends to (or hears from, whichever is more) of
-messages x alpha + bytes / beta of that link, and the member that takes longest decides (docs/formulas.md's alpha-beta costs,
-counted from the trace's own messages); in a blocking collective the member that arrived last
-leaves lag_s after the others (gloo here: it stays the late one, replay()'s late()). With
-`cores` < ranks the ranks computing at once share the cores (processor sharing): a rank that
-waits lends its core, and an async op in flight (its thread copies and reduces) takes a share
-as a computing rank does.
+Cluster (a rank = a device, or a process sharing `cores` with the others): its compute rate F
+(FLOP/s, peak x efficiency), its memory rate M (bytes/s), a host cost per dispatched op and per
+call, alpha (a message's latency) and beta (bytes/s) inside a node and across, the ranks a node.
+A stretch of work costs FLOPs / F + bytes / M + ops x op_s (bytes: what its ops read and wrote;
+an elementwise op over a large tensor takes time for few FLOPs); a collective on a rank costs
+call_s + the sum over the peers it sends to (or hears from, whichever is more) of messages x
+alpha + bytes / beta of that link, and the member that takes longest decides (docs/formulas.md's
+alpha-beta costs, counted from the trace's own messages); in a blocking collective the member
+that arrived last leaves lag_s after the others (gloo here: it stays the late one, replay()'s
+late()). With `cores` < ranks the ranks computing at once share the cores (processor sharing): a
+rank that waits lends its core, and an async op in flight (its thread copies and reduces) takes
+a share as a computing rank does.
 
---check calibrates F, M, op_s (the compute stretches), the link (each collective's and
-message's time from its last member's arrival to its end) and lag_s on the 2-rank runs but the one it
-predicts (leave one out), and predicts the 4-rank runs from all of them, the cores shared: as many
-as the other 4-rank runs say four processes on them behave as (shared_cores()).
+--check calibrates F, M, op_s (the compute stretches), the link (each collective's and message's
+time from its last member's arrival to its end) and lag_s on the 2-rank runs but the one it
+predicts (leave one out), and predicts the 4-rank runs from all of them, the cores shared: as
+many as the other 4-rank runs say four processes on them behave as (shared_cores()).
 --what_if traces at a model's depth and a small width, then scales (scale()): each stretch's
-FLOPs by the model formula's ratio, DDP's and FSDP's messages by the parameter ratio, the
-others' by h x tokens. Calculated figures, never measured ones (docs/planning.md).
+FLOPs by the model formula's ratio, DDP's and FSDP's messages by the parameter ratio, the others'
+by h x tokens. Calculated figures, never measured ones (docs/planning.md).
 
 What --check runs and prints. It traces every strategy (DDP bucketed and overlapped, FSDP, tensor
 parallel with and without sequence parallelism, the ring, the experts, the pipeline's five
@@ -48,12 +48,12 @@ run (run, strategy, ranks, predicted_ms, measured_ms, the steps, the waiting sha
 
 What --what_if runs: each strategy traced at 8 and 16 ranks at a model's real depth and a width
 of 64 (16 heads, so that every split divides it), replayed on 8 H100s in a node and on 2 x 8 at
-plan_cluster.py's figures (989 TFLOP/s x its eff, NVLink 450 GB/s, one 400 Gb/s NIC a GPU, NCCL's
-latencies), no host cost an op and no memory term (HBM traffic not charged: the planner adds it, so
-these rows are the faster side of its figure), the trace's float32 bytes; for GPT-2 124M (8 sequences of 1,024 a
-GPU) and a 1.7B at Megatron-Core's shape (24 layers, h = 2,048, 4 x 4,096 tokens a GPU). The
-scaling is the model's formula, not a trace at the width: a stretch's FLOPs grow by one ratio
-whatever it holds, and the ops a stretch dispatches stay the trace's.
+plan_cluster.py's figures (989 TFLOP/s x its eff, NVLink 450 GB/s, one 400 Gb/s NIC a GPU,
+NCCL's latencies), no host cost an op and no memory term (HBM traffic not charged: the planner
+adds it, so these rows are the faster side of its figure), the trace's float32 bytes; for GPT-2
+124M (8 sequences of 1,024 a GPU) and a 1.7B at Megatron-Core's shape (24 layers, h = 2,048, 4 x
+4,096 tokens a GPU). The scaling is the model's formula, not a trace at the width: a stretch's
+FLOPs grow by one ratio whatever it holds, and the ops a stretch dispatches stay the trace's.
 
 A trace that lacks what the replay needs gets one line and exit code 2, never a figure: one
 without the work counts (an older trace, or a --compile one), one cut short (a rank without the
