@@ -605,9 +605,9 @@ def check(args, folder):
           f"alpha {1e6 * here_all['alpha']:.0f} us, "
           f"beta {here_all['beta'] / 1e9:.2f} GB/s; {os.cpu_count()} cores shared, load average "
           f"{os.getloadavg()[0]:.1f} at the end")
+    records, cores = [], shared_cores(got, traces, here_all)
     print(f"{'run':>21} {'ranks':>5} {'predicted ms':>12} {'measured ms':>11} {'(its steps)':>17} {'ratio':>6} "
           f"{'waiting: predicted':>18} {'measured':>8}")
-    records, cores = [], shared_cores(got, traces, here_all)
     for (name, world), (progs, meas) in got.items():
         fit = calibrate([v for k, v in two.items() if k != (name, world)]) if world == 2 and len(two) > 1 else here_all
         row = summary(replay(progs, cluster("here", **fit, cores=cores.get((name, world), os.cpu_count()))))
