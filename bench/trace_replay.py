@@ -22,14 +22,17 @@ call_s + the sum over the peers it sends to (or hears from, whichever is more) o
 alpha + bytes / beta of that link, and the member that takes longest decides (docs/formulas.md's
 alpha-beta costs, counted from the trace's own messages); in a blocking collective the member
 that arrived last leaves lag_s after the others (gloo here: it stays the late one, replay()'s
-late()). With `cores` < ranks the ranks computing at once share the cores (processor sharing): a
-rank that waits lends its core, and an async op in flight (its thread copies and reduces) takes
-a share as a computing rank does.
+late()). With `cores` the ranks are processes on a CPU's cores, handed out as an OS does
+(schedule()): a rank that waits gives its core up; one that computes, or whose wait has ended,
+takes a free core or queues for one, and runs a slice (quantum) before the next in the queue
+gets on, so with more ranks than cores a rank whose message is in still waits for a core; and
+then a core runs at `speed` of its pace (switching, caches the other ranks filled). An async op
+in flight (its thread copies and reduces) takes a share of the cores as a computing rank does.
 
 --check calibrates F, M, op_s (the compute stretches), the link (each collective's and message's
 time from its last member's arrival to its end) and lag_s on the 2-rank runs but the one it
-predicts (leave one out), and predicts the 4-rank runs from all of them, the cores shared: as
-many as the other 4-rank runs say four processes on them behave as (shared_cores()).
+predicts (leave one out), and predicts the 4-rank runs from all of them on the 2 cores, with
+speed and quantum fitted on the other 4-rank runs' steps and waiting shares (time_slices()).
 --what_if traces at a model's depth and a small width, then scales (scale()): each stretch's
 FLOPs by the model formula's ratio, DDP's and FSDP's messages by the parameter ratio, the others'
 by h x tokens. Calculated figures, never measured ones (docs/planning.md).
@@ -204,6 +207,7 @@ def cluster(name, **over):
                     alpha_x=PC.LAT_IB, beta_x=g["ib_bw"], per_node=g["gpus_per_node"], cores=None, peak=g["peak"])
     else:
         raise TraceError(f"unknown cluster {name!r}: here or h100")
+    base.update(quantum=4e-3, speed=1.0)  # shared cores only (--cores): a slice; no loss unless fitted
     base.update({k: v for k, v in over.items() if v is not None})
     return base
 
@@ -281,6 +285,8 @@ def replay(progs, cl, flop_scale=1.0, byte_scale=1.0):
                 op["prev"] = queues.get((r, op["group"]))
                 queues[(r, op["group"])] = op
     pc, left, now = [0] * n, [None] * n, 0.0
+    sharing = bool(cl["cores"])  # ranks on a CPU's cores, handed out in slices (below); else a device each
+    oncore, queue = {}, []  # sharing: rank on a core -> when its slice ends; the ranks waiting for one
     out = [dict(end=None, busy=0.0, blocked=0.0, spans=[]) for _ in range(n)]
     started = [None] * n  # when the current compute stretch or block began
 
@@ -327,6 +333,21 @@ def replay(progs, cl, flop_scale=1.0, byte_scale=1.0):
                     changed = True
             pending[:] = [op for op in pending if op["end"] is None]
 
+    def schedule(states):
+        """Shared cores as the OS hands them out: a rank that computes, or whose wait has ended, takes
+        a free core or queues for one; one whose slice (quantum) is over goes to the back of the
+        queue if a rank waits there. So a rank whose message is in still waits until a core frees."""
+        for r in [r for r in oncore if states[r] not in ("run", "wake")]:
+            del oncore[r]  # it blocks or is done: its core is free
+        queue[:] = [r for r in queue if states[r] in ("run", "wake")]
+        queue.extend(r for r in range(n) if states[r] in ("run", "wake") and r not in oncore and r not in queue)
+        over = sorted((r for r in oncore if oncore[r] <= now + 1e-15), key=lambda r: oncore[r])
+        for r in over[:len(queue) - (cl["cores"] - len(oncore))]:  # as many as the queue lacks free cores for
+            del oncore[r]
+            queue.append(r)
+        while queue and len(oncore) < cl["cores"]:
+            oncore[queue.pop(0)] = now + cl["quantum"]
+
     def advance(r):
         """Run rank r's program from now until it computes or blocks."""
         prog = progs[r]
@@ -352,6 +373,8 @@ def replay(progs, cl, flop_scale=1.0, byte_scale=1.0):
                         if started[r] is None:
                             started[r] = now
                         return "block"
+                    if sharing and r not in oncore:
+                        return "wake"  # its op has ended; it returns from the wait once it holds a core
                     if started[r] is not None and now > started[r]:
                         out[r]["blocked"] += now - started[r]
                         if kind == "wait":
@@ -363,13 +386,19 @@ def replay(progs, cl, flop_scale=1.0, byte_scale=1.0):
 
     while True:
         states = [advance(r) if out[r]["end"] is None else "done" for r in range(n)]
-        running = [r for r in range(n) if states[r] == "run"]
         if all(s == "done" for s in states):
             break
         # on shared cores an async op's thread (the copies, the reduction) takes a share as compute does
-        moving = [op for op in dated if op["ready"] <= now < op["end"]] if cl["cores"] else []
-        rate = 1.0 if not cl["cores"] else min(1.0, cl["cores"] / max(1, len(running) + len(moving)))
+        moving = [op for op in dated if op["ready"] <= now < op["end"]] if sharing else []
+        if sharing:
+            schedule(states)
+            if any(states[r] == "wake" for r in oncore):
+                continue  # it returns from its wait now
+        running = [r for r in (oncore if sharing else range(n)) if states[r] == "run"]
+        rate = 1.0 if not sharing else min(1.0, cl["cores"] / max(1, len(oncore) + len(moving)))
+        rate *= cl["speed"] if sharing and n > cl["cores"] else 1.0  # more ranks than cores: switching
         times = [now + left[r] / rate for r in running]
+        times += [end for end in oncore.values() if queue and end > now]  # a slice ends, a waiting rank gets on
         times += [t for op in dated for t in (op["ready"], op["end"]) if t > now]
         for r in range(n):
             if states[r] == "block":
@@ -605,20 +634,20 @@ def check(args, folder):
           f"alpha {1e6 * here_all['alpha']:.0f} us, "
           f"beta {here_all['beta'] / 1e9:.2f} GB/s; {os.cpu_count()} cores shared, load average "
           f"{os.getloadavg()[0]:.1f} at the end")
-    records, cores = [], shared_cores(got, traces, here_all)
+    records, slices = [], time_slices(got, traces, here_all)
     print(f"{'run':>21} {'ranks':>5} {'predicted ms':>12} {'measured ms':>11} {'(its steps)':>17} {'ratio':>6} "
           f"{'waiting: predicted':>18} {'measured':>8}")
     for (name, world), (progs, meas) in got.items():
         fit = calibrate([v for k, v in two.items() if k != (name, world)]) if world == 2 and len(two) > 1 else here_all
-        row = summary(replay(progs, cluster("here", **fit, cores=cores.get((name, world), os.cpu_count()))))
+        row = summary(replay(progs, cluster("here", **fit, **slices.get((name, world), {}))))
         lengths = step_lengths(traces[(name, world)])
         m = statistics.median(lengths)
         rec = dict(run=name, strategy=name.split()[0], ranks=world, predicted_ms=1e3 * row["step_s"],
                    measured_ms=1e3 * m, measured_steps_ms=[round(1e3 * x, 1) for x in lengths],
                    ratio=row["step_s"] / m, waiting_predicted=row["waiting"], waiting_measured=measured_waiting(meas),
                    calibrated_on="the other 2-rank runs" if world == 2 else
-                   "every 2-rank run; the cores on the other 4-rank runs",
-                   cores=cores.get((name, world), os.cpu_count()))
+                   "every 2-rank run; the cores' speed and slices on the other 4-rank runs",
+                   **slices.get((name, world), {}))
         records.append(rec)
         spread = f"{1e3 * min(lengths):.0f}-{1e3 * max(lengths):.0f}"
         print(f"{name:>21} {world:>5} {rec['predicted_ms']:>12.1f} {rec['measured_ms']:>11.1f} {spread:>17} "
@@ -635,23 +664,40 @@ def check(args, folder):
     return records, got, here_all
 
 
-def shared_cores(got, traces, fit, n=None):
-    """Where more ranks than cores run, the cores they behave as sharing: processor sharing at its
-    ideal loses nothing, but four processes on two cores also lose to switching and cold caches. For
-    each such run, the value (on a grid down to half the cores) at which the *other* runs of its world
-    size are predicted, in the median, at their measured steps. -> {(label, world): cores}"""
+def time_slices(got, traces, fit, n=None):
+    """Where more ranks than cores run, how the OS hands the cores out: the speed a core keeps
+    (switching between ranks, caches the others filled), fitted on the steps, and the slice a rank
+    runs before the next one in the queue gets its core (quantum), fitted on the waiting shares (a
+    rank whose message is in waits for a core: the longer the slice, the longer the wait). For each
+    such run, the values (on grids) at which the *other* runs of its world size are predicted, in
+    the median, at what they measured. -> {(label, world): dict(speed=, quantum=)}"""
     n = n or os.cpu_count()
-    grid = [n * (0.5 + i / 40) for i in range(21)]
+    speeds = [0.5 + i / 40 for i in range(21)]
+    quanta = [5e-4 * 2 ** (i / 4) for i in range(27)]  # 0.5 to 45 ms
     out = {}
     for world in sorted({w for _, w in got if w > n}):
         keys = [k for k in got if k[1] == world]
-        ratio = {k: [math.log(summary(replay(got[k][0], cluster("here", **dict(fit, cores=c))))["step_s"]
-                              / statistics.median(step_lengths(traces[k]))) for c in grid] for k in keys}
-        for k in keys:
+
+        def fitted(k, grid, miss):  # the grid's value at which the other runs miss least, in the median
             others = [o for o in keys if o != k] or [k]
-            out[k] = min(grid, key=lambda c: abs(statistics.median(ratio[o][grid.index(c)] for o in others)))
-        print(f"at {world} ranks the {n} cores behave as {statistics.median(out[k] for k in keys):.2f} "
-              f"(each {world}-rank row below fitted on the other {world}-rank runs; ideal processor sharing: {n})")
+            return min(grid, key=lambda v: abs(statistics.median(miss[o][grid.index(v)] for o in others)))
+
+        def at(k, **slices):
+            return summary(replay(got[k][0], cluster("here", **dict(fit, cores=n, **slices))))
+
+        measured = {k: statistics.median(step_lengths(traces[k])) for k in keys}
+        step = {k: [math.log(at(k, speed=s, quantum=4e-3)["step_s"] / measured[k]) for s in speeds] for k in keys}
+        for k in keys:
+            out[k] = dict(speed=fitted(k, speeds, step))
+        speed = statistics.median(out[k]["speed"] for k in keys)
+        wait = {k: [at(k, speed=speed, quantum=q)["waiting"] - measured_waiting(got[k][1]) for q in quanta]
+                for k in keys}
+        for k in keys:
+            out[k]["quantum"] = fitted(k, quanta, wait)
+        quantum = statistics.median(out[k]["quantum"] for k in keys)
+        print(f"at {world} ranks on {n} cores: a core runs at {speed:.2f} of its speed (switching between ranks), "
+              f"handed out in slices of {1e3 * quantum:.1f} ms (each {world}-rank row below fitted on the other "
+              f"{world}-rank runs)")
     return out
 
 
@@ -663,7 +709,7 @@ def zero_bubble_rows(got, here):
     keys = {name: (f"pipeline {name}", 4) for name in ("1f1b", "zb", "zbv")}
     if not all(k in got for k in keys.values()):
         return
-    step = {name: summary(replay(got[k][0], cluster("here", **dict(here, cores=4))))["step_s"]
+    step = {name: summary(replay(got[k][0], cluster("here", **dict(here, cores=4))))["step_s"]  # no queue: no slices
             for name, k in keys.items()}
     paper = on_paper(4, 8, 4, 8, 4, 4)  # a micro-batch's F 1, B 2 (B 1 + W 1) a stage, ZB-V's chunks half
     print("p = 4, m = 8 on a core a stage (the 4-rank traces above replayed with 4 cores; on paper: simulate() at "
@@ -753,6 +799,8 @@ def main(argv=None):
     p.add_argument("--per_node", type=int, help="ranks a node")
     p.add_argument("--nodes", type=int, default=1, help="nodes (h100: the cluster has nodes x per_node ranks)")
     p.add_argument("--cores", type=int, help="cores the ranks share (0: one each)")
+    p.add_argument("--slice_ms", type=float, help="shared cores: ms a rank runs before the next in the queue")
+    p.add_argument("--speed", type=float, help="shared cores, more ranks than cores: the share of its speed a core keeps")
     p.add_argument("--step", type=int, help="the traced step to replay (default: the median one)")
     p.add_argument("--png", help="draw the replayed timeline here (as trace_timeline.py)")
     p.add_argument("--check", action="store_true", help="predicted against measured on this machine")
@@ -780,7 +828,8 @@ def main(argv=None):
             return
         if not args.trace:
             p.error("give a trace, or --check")
-        over = dict(flops=args.flops, per_node=args.per_node, cores=None if args.cores == 0 else args.cores,
+        over = dict(flops=args.flops, per_node=args.per_node, cores=args.cores, speed=args.speed,
+                    quantum=None if args.slice_ms is None else args.slice_ms * 1e-3,
                     **{k: (None if v is None else v * 1e-6) for k, v in
                        dict(op_s=args.op_us, call_s=args.call_us, alpha=args.alpha_us, alpha_x=args.alpha_x_us).items()},
                     **{k: (None if v is None else v * 1e9) for k, v in

@@ -15,7 +15,7 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "bench")]
 import trace_replay as R  # noqa: E402
 
 CL = dict(flops=1e9, mem_bw=1e9, op_s=0.0, call_s=0.0, alpha=1e-3, beta=1e6, alpha_x=1e-3, beta_x=1e6, per_node=1 << 30,
-          cores=None, peak=None)  # a FLOP a ns, a message 1 ms + a byte a us
+          cores=None, quantum=4e-3, speed=1.0, peak=None)  # a FLOP a ns, a message 1 ms + a byte a us
 
 
 def trace(ranks, world=None, step=2):
@@ -130,18 +130,41 @@ def test_ranks_sharing_cores_share_their_time():
 
 
 @pytest.mark.quick
-def test_the_cores_four_ranks_behave_as_are_fitted_on_the_other_runs():
-    """Four ranks of 1 s each on 2 cores take 2 s at ideal sharing; runs measured at 2.5 s say the
-    cores behave as 1.6, and each run's value comes from the others only (an outlier moves none)."""
-    runs = {("a", 4): 2.5, ("b", 4): 2.5, ("c", 4): 2.5, ("odd", 4): 4.0}
+def test_a_rank_whose_message_is_in_waits_for_a_core():
+    """Two ranks on one core: rank 0 waits for the message rank 1 posts after 1 s of work, and rank 1
+    works 1 s more. In slices of 10 s rank 1 keeps the core, so rank 0 waits until 2.001 s, its
+    message in at 1.002; in slices of 0.1 s it gets on at once. A core at half its speed (two ranks
+    switching on it) doubles every stretch; on two cores, a core each: no wait, no loss."""
+    t = trace([[("sync", "recv", [0, 1], {1: 1000}), ("compute", 1e9)],
+               [("compute", 1e9), ("post", "send", [0, 1], {0: 1000}), ("compute", 1e9), ("wait", 0)]])
+    assert step_of(t, cores=1, quantum=10.0)["exposed_s"][0] == pytest.approx(2.001)
+    assert step_of(t, cores=1, quantum=0.1)["exposed_s"][0] == pytest.approx(1.002)
+    assert step_of(t, cores=1, quantum=10.0, speed=0.5)["step_s"] == pytest.approx(6.001)
+    assert step_of(t, cores=2, quantum=10.0, speed=0.5)["step_s"] == pytest.approx(2.002)
+
+
+@pytest.mark.quick
+def test_the_cores_speed_and_slices_are_fitted_on_the_other_runs():
+    """Four ranks on 2 cores, in pairs that compute and all-reduce five times: runs measured as the
+    replay plays them with the cores at 0.75 of their speed and slices of 4 ms give those values
+    back, each run's from the other runs alone (an outlier run, measured twice as slow, moves none)."""
+    truth = dict(speed=0.75, quantum=4e-3)
     traces = {}
-    for key, seconds in runs.items():
-        traces[key] = trace([[("compute", 1e9)]] * 4)
-        for e in traces[key]["traceEvents"]:
-            e["dur"] = 1e6 * seconds
+    for name, work in (("a", 1e7), ("b", 2e7), ("c", 3e7), ("odd", 2e7)):
+        pair = [[0, 1], [0, 1], [2, 3], [2, 3]]
+        ranks = [[item for _ in range(5) for item in (("compute", work * (1 + r // 2)),
+                                                      ("sync", "all_reduce", pair[r], {r ^ 1: 1000}))] for r in range(4)]
+        t = trace(ranks)
+        row = R.summary(R.replay(R.programs(t)[1], dict(CL, cores=2, **truth)))
+        for e in t["traceEvents"]:  # measured: the replay's step, and each rank's waits shared out evenly
+            e["dur"] = 1e6 * row["step_s"] * (2 if name == "odd" else 1) if e["cat"] == "step" else \
+                1e6 * row["exposed_s"][e["pid"]] / 5
+        traces[(name, 4)] = t
     got = {k: R.programs(t)[1:] for k, t in traces.items()}
-    cores = R.shared_cores(got, traces, dict(CL, cores=2), n=2)
-    assert cores[("a", 4)] == pytest.approx(1.6) and cores[("odd", 4)] == pytest.approx(1.6)
+    fitted = R.time_slices(got, traces, dict(CL, cores=2), n=2)
+    for key in got:
+        assert fitted[key]["speed"] == pytest.approx(truth["speed"]), key
+        assert fitted[key]["quantum"] == pytest.approx(truth["quantum"]), key
 
 
 @pytest.mark.quick
