@@ -47,7 +47,8 @@ measured one (the median of the timed steps, their range beside it), and the sha
 ranks wait in a collective or a wait, predicted and measured (a pipeline's idle fraction with its
 message time); then the worst row at 2 and at 4 ranks, and the zero-bubble schedules at p = 4,
 m = 8 replayed with a core a stage beside simulate()'s paper figures. --json writes a record per
-run (run, strategy, ranks, predicted_ms, measured_ms, the steps, the waiting shares).
+run (run, strategy, ranks, predicted_ms, measured_ms, the steps, the waiting shares; at 4 ranks the
+cores' fitted speed and slice).
 
 What --what_if runs: each strategy traced at 8 and 16 ranks at a model's real depth and a width
 of 64 (16 heads, so that every split divides it), replayed on 8 H100s in a node and on 2 x 8 at
