@@ -119,8 +119,7 @@ def _segments(chunk):
 
 def _segmented(nseg, *chunks):
     """The chunks cut into nseg segments each, zipped: segment i of every chunk together."""
-    # A list, not a generator: this runs on a worker thread, and CPython (3.11) fails a tuple
-    # built from a generator with SystemError when another thread calls gc.get_objects() meanwhile.
+    # a list: on a worker thread, CPython 3.11's tuple from a generator races gc.get_objects() (SystemError)
     return zip(*[_pieces(c, nseg) for c in chunks])
 
 

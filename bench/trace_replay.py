@@ -687,7 +687,7 @@ def time_slices(got, traces, fit, n=None):
             return summary(replay(got[k][0], cluster("here", **dict(fit, cores=n, **slices))))
 
         measured = {k: statistics.median(step_lengths(traces[k])) for k in keys}
-        step = {k: [math.log(at(k, speed=s, quantum=4e-3)["step_s"] / measured[k]) for s in speeds] for k in keys}
+        step = {k: [math.log(at(k, speed=s)["step_s"] / measured[k]) for s in speeds] for k in keys}  # the default slice
         for k in keys:
             out[k] = dict(speed=fitted(k, speeds, step))
         speed = statistics.median(out[k]["speed"] for k in keys)
